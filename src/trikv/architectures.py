@@ -1,0 +1,100 @@
+"""Which model families trikv supports, and the shape facts every other module needs.
+
+A family is supported when its attention (1) applies RoPE through the module-level function
+`apply_rotary_pos_emb(q, k, cos, sin)` of its modeling file, (2) hands post-RoPE keys to
+`cache.update(...)`, and (3) uses the `rotate_half` ("half") band layout. Calibration relies on (1) to
+see the exact pre-RoPE query (after q_norm, where the model has one); the cache relies on (2).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import torch
+
+# model_type -> band layout of its rotary embedding. Every HF family listed here uses rotate_half.
+SUPPORTED_FAMILIES: dict[str, str] = {
+    "llama": "half",
+    "qwen2": "half",
+    "qwen3": "half",
+    "mistral": "half",
+}
+
+
+class UnsupportedModelError(ValueError):
+    """The model cannot be used with a trikv cache or calibration (no RoPE, unknown family, ...)."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The attention geometry of a supported model."""
+
+    model_type: str
+    num_layers: int
+    num_heads: int  # query heads
+    num_kv_heads: int
+    head_dim: int
+    layout: str  # "half" | "interleaved"
+
+    @property
+    def group_size(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+
+def model_shape(model: torch.nn.Module) -> ModelShape:
+    """Validate `model` and return its attention shape; raise `UnsupportedModelError` naming the problem."""
+    config = getattr(model, "config", None)
+    if config is None:
+        raise UnsupportedModelError(f"{type(model).__name__} has no `config`; pass a transformers causal LM")
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_FAMILIES:
+        raise UnsupportedModelError(
+            f"unsupported architecture {model_type!r}; trikv supports {sorted(SUPPORTED_FAMILIES)}"
+        )
+    rotary = rotary_module(model)
+    if rotary is None or not hasattr(rotary, "inv_freq"):
+        raise UnsupportedModelError(f"model of type {model_type!r} has no rotary embedding (RoPE); trikv needs RoPE")
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        layer_types = getattr(config, "layer_types", None) or []
+        if any(kind != "full_attention" for kind in layer_types) or model_type == "mistral":
+            raise UnsupportedModelError(
+                f"{model_type!r} model uses sliding-window attention (sliding_window={config.sliding_window}); "
+                "trikv caches support full-attention layers only (set config.sliding_window=None)"
+            )
+    num_heads = config.num_attention_heads
+    num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+    if num_heads % num_kv_heads:
+        raise UnsupportedModelError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
+    return ModelShape(
+        model_type=model_type,
+        num_layers=config.num_hidden_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        layout=SUPPORTED_FAMILIES[model_type],
+    )
+
+
+def decoder(model: torch.nn.Module) -> torch.nn.Module:
+    """The base decoder (`model.model` for a ForCausalLM)."""
+    return getattr(model, "model", model)
+
+
+def rotary_module(model: torch.nn.Module) -> torch.nn.Module | None:
+    return getattr(decoder(model), "rotary_emb", None)
+
+
+def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The `self_attn` module of every decoder layer, in layer order."""
+    return [layer.self_attn for layer in decoder(model).layers]
+
+
+def modeling_module(model: torch.nn.Module):
+    """The Python module that defines the model's attention (where `apply_rotary_pos_emb` lives)."""
+    attention = attention_modules(model)[0]
+    module = sys.modules[type(attention).__module__]
+    if not hasattr(module, "apply_rotary_pos_emb"):
+        raise UnsupportedModelError(f"{module.__name__} has no apply_rotary_pos_emb; cannot capture pre-RoPE vectors")
+    return module

@@ -1,0 +1,391 @@
+"""A bounded KV cache for transformers' `generate()` and plain forward loops.
+
+Layout: one preallocated buffer for all layers, keys/values [L, b, Hkv, capacity, D] plus the RoPE
+position of every slot [L, b, Hkv, capacity]. All layers, rows and heads hold the same number of
+physical entries P (so transformers' stock masks stay valid), but each (layer, row, KV head) keeps its
+own tokens.
+
+Schedule (SPEC section 5): entries are appended in place; when P reaches budget + divide_length the
+policy scores all layers at once and the cache keeps the top `budget` per (layer, row, KV head), in
+original order. The round runs in a forward pre-hook of the decoder, before transformers builds the
+attention mask, so the mask sizes it reads (`get_mask_sizes`) are already those of the compressed
+cache. Positions stay logical: `get_seq_length()` counts every token seen, and RoPE uses it.
+
+Left padding: pads (from the first forward's attention mask) get position -1, are evicted first, and
+kept slots stay sorted, so surviving pads are a prefix and the stock 2D mask covers them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from .architectures import ModelShape, decoder, model_shape
+from .policies import Policy, ScoringContext, make_policy
+
+log = logging.getLogger(__name__)
+
+
+class _LayerView(CacheLayerMixin):
+    """Per-layer face of CompressedCache, for the parts of transformers that iterate `cache.layers`."""
+
+    is_sliding = False
+    supports_early_init = False
+
+    def __init__(self, parent: "CompressedCache", layer_idx: int):
+        super().__init__()
+        self.parent, self.layer_idx = parent, layer_idx
+
+    def lazy_initialization(self, key_states, value_states):
+        pass
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        return self.parent.update(key_states, value_states, self.layer_idx, *args, **kwargs)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.parent.get_mask_sizes(query_length, self.layer_idx)
+
+    def get_seq_length(self) -> int:
+        return self.parent.get_seq_length(self.layer_idx)
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self):
+        pass
+
+    def reorder_cache(self, beam_idx):
+        pass
+
+    @property
+    def keys(self):
+        return None if self.parent.keys is None else self.parent.keys[self.layer_idx, :, :, : self.parent.length]
+
+    @keys.setter
+    def keys(self, value):
+        pass
+
+    @property
+    def values(self):
+        return None if self.parent.values is None else self.parent.values[self.layer_idx, :, :, : self.parent.length]
+
+    @values.setter
+    def values(self, value):
+        pass
+
+
+class CompressedCache(Cache):
+    """KV cache that keeps at most `budget` (+ `divide_length` slack) entries per (layer, row, KV head).
+
+    Args:
+        model: the transformers causal LM this cache serves (validated; a pre-hook is attached once).
+        policy: a `Policy` instance or a registered method name (`trikv methods` lists them).
+        budget: entries per (layer, KV head) right after a compression round. `None` = never evict.
+        divide_length: slack beta; a round runs when the cache reaches budget + divide_length (default 128).
+        protect_prompt: keep prompt tokens out of the competition (default True) as long as they leave at
+            least `min_decode_room` slots for generated tokens; otherwise the prompt competes too.
+        min_decode_room: slots of the budget reserved for generated tokens when the prompt is protected.
+        policy_options: options forwarded to the policy when `policy` is a name.
+    """
+
+    is_compileable = False
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        policy: Policy | str = "triattention",
+        budget: int | None = 2048,
+        divide_length: int = 128,
+        protect_prompt: bool = True,
+        min_decode_room: int = 32,
+        **policy_options,
+    ):
+        self.shape: ModelShape = model_shape(model)
+        if isinstance(policy, str):
+            policy = make_policy(policy, **policy_options)
+        elif policy_options:
+            raise ValueError(f"policy options {sorted(policy_options)} given with a policy instance")
+        self.policy = policy
+        if not policy.evicts:
+            budget = None
+        if budget is not None:
+            if not isinstance(budget, int) or budget <= 0:
+                raise ValueError(f"budget must be a positive integer, got {budget!r}")
+            if divide_length < 1:
+                raise ValueError(f"divide_length must be >= 1, got {divide_length}")
+            if policy.recent_window >= budget:
+                raise ValueError(
+                    f"budget {budget} is not larger than the protected recent window of {policy.name} "
+                    f"({policy.recent_window} tokens); raise the budget or shrink the window"
+                )
+        self.budget = budget
+        self.divide_length = divide_length
+        self.protect_prompt = protect_prompt
+        self.min_decode_room = min_decode_room
+        policy.bind(model, self.shape)
+        super().__init__(layers=[_LayerView(self, i) for i in range(self.shape.num_layers)])
+        attach(model)
+        self._reset_state()
+
+    # ---- state --------------------------------------------------------------------------------
+    def _reset_state(self) -> None:
+        self.keys: torch.Tensor | None = None  # [L, b, Hkv, capacity, D]
+        self.values: torch.Tensor | None = None
+        self.positions: torch.Tensor | None = None  # [L, b, Hkv, capacity] long, -1 = padding
+        self.length = 0  # physical entries P per (layer, row, head)
+        self.seen = 0  # logical tokens processed, padding included (the mask's column count)
+        self.pad_lengths: torch.Tensor | None = None  # [b]
+        self.prompt_length = 0  # logical tokens before the first single-token step
+        self.decoding = False
+        self.rounds = 0
+        self.peak_length = 0
+        self.scoring_seconds = 0.0
+        self._prompt_dropped_logged = False
+        self._write_at = 0
+
+    def reset(self):
+        self._reset_state()
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[3]
+
+    @property
+    def batch_size(self) -> int:
+        return -1 if self.keys is None else self.keys.shape[1]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.seen
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return -1
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        # stored slots map to mask columns [seen - P, seen), new tokens to [seen, seen + q)
+        return self.length + query_length, self.seen - self.length
+
+    def entries(self) -> int:
+        """Physical entries per (layer, row, KV head)."""
+        return self.length
+
+    def memory_bytes(self) -> int:
+        """Bytes of K/V that are live (entries x layers x rows x heads x head_dim x 2 x element size)."""
+        if self.keys is None:
+            return 0
+        L, b, h, _, d = self.keys.shape
+        return 2 * L * b * h * self.length * d * self.keys.element_size()
+
+    def allocated_bytes(self) -> int:
+        """Bytes the K/V buffers occupy, spare slots included."""
+        if self.keys is None:
+            return 0
+        return self.keys.nbytes + self.values.nbytes + self.positions.nbytes
+
+    # ---- the forward pre-hook -----------------------------------------------------------------
+    def before_forward(self, query_length: int, attention_mask: torch.Tensor | None) -> None:
+        """Record padding on the first forward; run a compression round when one is due."""
+        if self.seen == 0:
+            self._read_padding(attention_mask)
+        if query_length == 1 and self.seen > 0:
+            self.decoding = True
+        if self.budget is not None and self.length >= self.budget + self.divide_length:
+            self.compress()
+
+    def _read_padding(self, attention_mask: torch.Tensor | None) -> None:
+        if attention_mask is None or attention_mask.dim() != 2:
+            self.pad_lengths = None
+            return
+        mask = attention_mask.bool()
+        pads = (~mask).long().cumprod(-1).sum(-1)  # leading zeros per row
+        if bool((mask.long().sum(-1) != mask.shape[-1] - pads).any()):
+            raise ValueError("trikv caches need left padding (padding_side='left'): found padding after real tokens")
+        self.pad_lengths = pads
+
+    # ---- update: append in place ------------------------------------------------------------------
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        # key_states: [b, Hkv, q, D] post-RoPE
+        q = key_states.shape[-2]
+        if layer_idx == 0:
+            self._begin_forward(key_states, value_states)
+        start = self._write_at
+        self.keys[layer_idx, :, :, start : start + q] = key_states
+        self.values[layer_idx, :, :, start : start + q] = value_states
+        end = start + q
+        return self.keys[layer_idx, :, :, :end], self.values[layer_idx, :, :, :end]
+
+    def _begin_forward(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        b, h, q, d = key_states.shape
+        if self.budget is not None and self.length >= self.budget + self.divide_length:
+            raise RuntimeError(
+                "a compression round is due but the trikv pre-hook did not run; "
+                "use the cache with the model it was created for"
+            )
+        if self.keys is None:
+            self._allocate(b, key_states.dtype, key_states.device, max(q, self._target_capacity()))
+        elif self.length + q > self.capacity:
+            self._grow(self.length + q)
+        # positions of the new tokens: logical index minus the row's padding, -1 on pads
+        logical = torch.arange(self.seen, self.seen + q, device=key_states.device)
+        pads = self._pads(b, key_states.device)
+        positions = logical[None, :] - pads[:, None]  # [b, q]
+        positions = positions.masked_fill(positions < 0, -1)
+        self.positions[:, :, :, self.length : self.length + q] = positions[None, :, None, :]
+        if not self.decoding and q >= 1:
+            self.prompt_length = self.seen + q
+        self._write_at = self.length
+        self.length += q
+        self.seen += q
+        self.peak_length = max(self.peak_length, self.length)
+
+    def _pads(self, batch: int, device) -> torch.Tensor:
+        if self.pad_lengths is None:
+            return torch.zeros(batch, dtype=torch.long, device=device)
+        return self.pad_lengths.to(device)
+
+    def _target_capacity(self) -> int:
+        return 256 if self.budget is None else self.budget + self.divide_length
+
+    def _allocate(self, batch: int, dtype, device, capacity: int) -> None:
+        L, h, d = self.shape.num_layers, self.shape.num_kv_heads, self.shape.head_dim
+        self.keys = torch.zeros(L, batch, h, capacity, d, dtype=dtype, device=device)
+        self.values = torch.zeros(L, batch, h, capacity, d, dtype=dtype, device=device)
+        self.positions = torch.full((L, batch, h, capacity), -1, dtype=torch.long, device=device)
+
+    def _grow(self, needed: int) -> None:
+        """Resize the buffers (full attention doubles; a bounded cache grows only for long prompt chunks)."""
+        capacity = max(needed, 2 * self.capacity) if self.budget is None else max(needed, self._target_capacity())
+        keys, values, positions = self.keys, self.values, self.positions
+        self._allocate(keys.shape[1], keys.dtype, keys.device, capacity)
+        self.keys[:, :, :, : self.length] = keys[:, :, :, : self.length]
+        self.values[:, :, :, : self.length] = values[:, :, :, : self.length]
+        self.positions[:, :, :, : self.length] = positions[:, :, :, : self.length]
+
+    # ---- compression round --------------------------------------------------------------------
+    def current_positions(self) -> torch.Tensor:
+        """[b] tokens seen by each row, padding excluded (the RoPE position of the next token)."""
+        return self.seen - self._pads(self.keys.shape[1], self.keys.device)
+
+    def _protected(self, positions: torch.Tensor) -> torch.Tensor:
+        """[L, b, Hkv, N] bool: prompt tokens (while protection holds) and the recent window."""
+        t = self.current_positions()  # [b]
+        protected = torch.zeros_like(positions, dtype=torch.bool)
+        window = self.policy.recent_window
+        if window > 0:
+            protected |= positions >= (t - window)[None, :, None, None]
+        if self.protect_prompt and self.prompt_length > 0:
+            prompt_real = self.prompt_length - self._pads(t.shape[0], t.device)  # [b]
+            keep_prompt = prompt_real + window + self.min_decode_room <= self.budget  # [b]
+            if not bool(keep_prompt.all()) and not self._prompt_dropped_logged:
+                log.warning(
+                    "prompt of %s tokens leaves fewer than %d of the %d budget slots for generated tokens: "
+                    "the prompt competes for the budget too",
+                    prompt_real.tolist(), self.min_decode_room, self.budget,
+                )
+                self._prompt_dropped_logged = True
+            in_prompt = (positions >= 0) & (positions < prompt_real[None, :, None, None])
+            protected |= in_prompt & keep_prompt[None, :, None, None]
+        return protected
+
+    @torch.no_grad()
+    def compress(self) -> None:
+        """Keep the top-`budget` entries per (layer, row, KV head), in original order."""
+        started = time.perf_counter()
+        n, budget = self.length, self.budget
+        keys = self.keys[:, :, :, :n]
+        values = self.values[:, :, :, :n]
+        positions = self.positions[:, :, :, :n]
+        padding = positions < 0
+        protected = self._protected(positions) & ~padding
+        context = ScoringContext(
+            keys=keys,
+            values=values,
+            positions=positions,
+            candidates=~(padding | protected),
+            current_position=self.current_positions(),
+            budget=budget,
+        )
+        scores = self.policy.score(context).float()  # [L, b, Hkv, N]
+        scores = scores.masked_fill(protected, float("inf")).masked_fill(padding, float("-inf"))
+        kept = scores.topk(budget, dim=-1, sorted=False).indices.sort(dim=-1).values  # [L, b, Hkv, B]
+        gather_index = kept[..., None].expand(*kept.shape, keys.shape[-1])
+        kept_keys = keys.gather(3, gather_index)
+        kept_values = values.gather(3, gather_index)
+        kept_positions = positions.gather(3, kept)
+        if self.capacity > budget + self.divide_length:  # shrink once after a long prompt
+            self._allocate(keys.shape[1], keys.dtype, keys.device, budget + self.divide_length)
+        self.keys[:, :, :, :budget] = kept_keys
+        self.values[:, :, :, :budget] = kept_values
+        self.positions[:, :, :, :budget] = kept_positions
+        self.length = budget
+        self.rounds += 1
+        self.scoring_seconds += time.perf_counter() - started
+
+    # ---- generate() plumbing ---------------------------------------------------------------------
+    @property
+    def is_croppable(self) -> bool:
+        return False
+
+    def crop(self, max_length: int) -> None:
+        if max_length < 0 or max_length < self.seen:
+            raise NotImplementedError("a compressed cache cannot be cropped (evicted entries are gone)")
+
+    def _select_rows(self, index: torch.Tensor) -> None:
+        if self.keys is None:
+            return
+        index = index.to(self.keys.device)
+        self.keys = self.keys.index_select(1, index)
+        self.values = self.values.index_select(1, index)
+        self.positions = self.positions.index_select(1, index)
+        if self.pad_lengths is not None:
+            self.pad_lengths = self.pad_lengths.to(index.device).index_select(0, index)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor):
+        self._select_rows(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor):
+        self._select_rows(indices)
+
+    def batch_repeat_interleave(self, repeats: int):
+        if self.keys is not None:
+            self._select_rows(torch.arange(self.keys.shape[1]).repeat_interleave(repeats))
+
+    def __repr__(self):
+        return (
+            f"CompressedCache(policy={self.policy.name}, budget={self.budget}, divide_length={self.divide_length}, "
+            f"entries={self.length}, seen={self.seen}, rounds={self.rounds})"
+        )
+
+
+def _pre_forward_hook(module, args, kwargs):
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    if isinstance(cache, CompressedCache):
+        tokens = kwargs.get("input_ids")
+        if tokens is None:
+            tokens = kwargs.get("inputs_embeds")
+        if tokens is None and args:
+            tokens = args[0]
+        cache.before_forward(tokens.shape[1], kwargs.get("attention_mask"))
+    return None
+
+
+def attach(model: torch.nn.Module) -> None:
+    """Install (once per model) the decoder pre-hook that lets trikv caches compress before masks are built."""
+    base = decoder(model)
+    if not getattr(base, "_trikv_hooked", False):
+        base.register_forward_pre_hook(_pre_forward_hook, with_kwargs=True)
+        base._trikv_hooked = True
+
+
+def TriAttentionCache(model: torch.nn.Module, stats, budget: int = 2048, divide_length: int = 128, **options) -> CompressedCache:
+    """A CompressedCache with the TriAttention policy. `options` go to the cache or the policy."""
+    cache_options = {k: options.pop(k) for k in ("protect_prompt", "min_decode_room") if k in options}
+    return CompressedCache(model, "triattention", budget=budget, divide_length=divide_length, stats=stats, **cache_options, **options)
+
+
+def make_cache(model: torch.nn.Module, method: str = "triattention", budget: int | None = 2048, divide_length: int = 128, **options) -> CompressedCache:
+    """A CompressedCache for any registered method (`trikv methods`)."""
+    cache_options = {k: options.pop(k) for k in ("protect_prompt", "min_decode_room") if k in options}
+    return CompressedCache(model, method, budget=budget, divide_length=divide_length, **cache_options, **options)

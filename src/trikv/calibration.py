@@ -1,0 +1,293 @@
+"""Calibration: per-head statistics of the exact pre-RoPE queries (and keys) of a model.
+
+For every layer l and query head h, band f:  mu = E[q_f] (complex mean) and A = E[|q_f|].
+Concentration (Mean Resultant Length) R_f = |mu_f| / A_f. Key statistics are kept for analysis only.
+
+The vectors are captured where they enter the rotation: `apply_rotary_pos_emb` in the model's modeling
+module is wrapped for the duration of the capture, so q_norm/k_norm (Qwen3) and projection biases (Qwen2)
+are included. Sums stream in float64; no vector of a long text is kept.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from . import __version__
+from .architectures import ModelShape, attention_modules, model_shape, modeling_module
+from .geometry import RopeGeometry
+
+STATS_FORMAT = "trikv-query-stats/1"
+_TENSORS = ("q_mean_real", "q_mean_imag", "q_abs_mean")
+_KEY_TENSORS = ("k_mean_real", "k_mean_imag", "k_abs_mean")
+
+
+class StatsFileError(ValueError):
+    """A statistics file is unreadable, malformed, or belongs to another model."""
+
+
+@contextlib.contextmanager
+def capture_pre_rope(model: torch.nn.Module, on_vectors: Callable[[int, torch.Tensor, torch.Tensor], None]) -> Iterator[None]:
+    """Call `on_vectors(layer, q, k)` with the pre-RoPE q [b, Hq, n, D] and k [b, Hkv, n, D] of every layer."""
+    module = modeling_module(model)
+    original = module.apply_rotary_pos_emb
+    current_layer = [-1]
+
+    def rotary_hook(q, k, cos, sin, *args, **kwargs):
+        on_vectors(current_layer[0], q, k)
+        return original(q, k, cos, sin, *args, **kwargs)
+
+    def pre_hook(layer_idx):
+        def hook(module, args):
+            current_layer[0] = layer_idx
+
+        return hook
+
+    handles = [attn.register_forward_pre_hook(pre_hook(i)) for i, attn in enumerate(attention_modules(model))]
+    module.apply_rotary_pos_emb = rotary_hook
+    try:
+        yield
+    finally:
+        module.apply_rotary_pos_emb = original
+        for handle in handles:
+            handle.remove()
+
+
+def weight_signature(model: torch.nn.Module) -> list[float]:
+    """Summary numbers of the first and last q_proj weights: tells models of the same shape apart."""
+    attns = attention_modules(model)
+    numbers = []
+    for attn in (attns[0], attns[-1]):
+        w = attn.q_proj.weight.detach().float()
+        numbers += [w.mean().item(), w.std().item(), w.abs().mean().item()]
+    return numbers
+
+
+@dataclass
+class QueryStats:
+    """Calibrated pre-RoPE statistics. Complex tensors are complex128, magnitudes float64."""
+
+    q_mean: torch.Tensor  # [L, Hq, F] complex: mu
+    q_abs_mean: torch.Tensor  # [L, Hq, F] float: A = E|q_f|
+    k_mean: torch.Tensor | None = None  # [L, Hkv, F] complex (analysis only)
+    k_abs_mean: torch.Tensor | None = None  # [L, Hkv, F]
+    metadata: dict = field(default_factory=dict)
+
+    @property
+    def concentration(self) -> torch.Tensor:
+        """R_f = |mu_f| / A_f, [L, Hq, F] (0 where a band never fired)."""
+        return torch.where(self.q_abs_mean > 0, self.q_mean.abs() / self.q_abs_mean.clamp_min(1e-30), 0.0)
+
+    def head_concentration(self) -> torch.Tensor:
+        """Mean R over bands per (layer, query head), [L, Hq]."""
+        return self.concentration.mean(-1)
+
+    def summary(self) -> dict:
+        head_r = self.head_concentration()
+        return {
+            "heads": int(head_r.numel()),
+            "mean_R": float(head_r.mean()),
+            "share_R_gt_0.9": float((head_r > 0.9).double().mean()),
+            "share_R_gt_0.95": float((head_r > 0.95).double().mean()),
+            "tokens": int(self.metadata.get("token_count", 0)),
+        }
+
+    # ---- persistence -------------------------------------------------------------------------
+    def save(self, path: str | Path) -> None:
+        tensors = {
+            "q_mean_real": self.q_mean.real.float().contiguous(),
+            "q_mean_imag": self.q_mean.imag.float().contiguous(),
+            "q_abs_mean": self.q_abs_mean.float().contiguous(),
+        }
+        if self.k_mean is not None:
+            tensors |= {
+                "k_mean_real": self.k_mean.real.float().contiguous(),
+                "k_mean_imag": self.k_mean.imag.float().contiguous(),
+                "k_abs_mean": self.k_abs_mean.float().contiguous(),
+            }
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(path), metadata={"trikv": json.dumps(self.metadata, sort_keys=True)})
+
+    @classmethod
+    def load(cls, path: str | Path) -> "QueryStats":
+        path = Path(path)
+        if not path.is_file():
+            raise StatsFileError(f"statistics file not found: {path}")
+        try:
+            tensors = load_file(str(path))
+            from safetensors import safe_open
+
+            with safe_open(str(path), framework="pt") as handle:
+                raw_meta = (handle.metadata() or {}).get("trikv")
+        except (SafetensorError, OSError, ValueError, RuntimeError) as error:
+            raise StatsFileError(f"{path} is not a readable safetensors statistics file (corrupt or truncated?): {error}") from None
+        if raw_meta is None:
+            raise StatsFileError(f"{path} has no trikv metadata; was it written by `trikv calibrate`?")
+        try:
+            metadata = json.loads(raw_meta)
+        except json.JSONDecodeError as error:
+            raise StatsFileError(f"{path}: metadata is not valid JSON: {error}") from None
+        if metadata.get("format") != STATS_FORMAT:
+            raise StatsFileError(f"{path}: format {metadata.get('format')!r}, expected {STATS_FORMAT!r}")
+        missing = [name for name in _TENSORS if name not in tensors]
+        if missing:
+            raise StatsFileError(f"{path}: missing tensors {missing}")
+        expected = (metadata["num_layers"], metadata["num_heads"], metadata["head_dim"] // 2)
+        for name in _TENSORS:
+            if tuple(tensors[name].shape) != expected:
+                raise StatsFileError(f"{path}: tensor {name} has shape {tuple(tensors[name].shape)}, metadata says {expected}")
+            if not torch.isfinite(tensors[name]).all():
+                raise StatsFileError(f"{path}: tensor {name} holds non-finite values")
+        k_mean = k_abs = None
+        if all(name in tensors for name in _KEY_TENSORS):
+            k_mean = torch.complex(tensors["k_mean_real"].double(), tensors["k_mean_imag"].double())
+            k_abs = tensors["k_abs_mean"].double()
+        return cls(
+            q_mean=torch.complex(tensors["q_mean_real"].double(), tensors["q_mean_imag"].double()),
+            q_abs_mean=tensors["q_abs_mean"].double(),
+            k_mean=k_mean,
+            k_abs_mean=k_abs,
+            metadata=metadata,
+        )
+
+    # ---- validation --------------------------------------------------------------------------
+    def check_matches(self, model: torch.nn.Module, source: str = "statistics") -> None:
+        """Raise StatsFileError naming the first mismatch between these stats and `model`."""
+        shape = model_shape(model)
+        geometry = RopeGeometry.from_model(model)
+        meta = self.metadata
+        expected = {
+            "model_type": shape.model_type,
+            "num_layers": shape.num_layers,
+            "num_heads": shape.num_heads,
+            "num_kv_heads": shape.num_kv_heads,
+            "head_dim": shape.head_dim,
+            "layout": shape.layout,
+            "rope_checksum": geometry.checksum(),
+        }
+        for key, value in expected.items():
+            if meta.get(key) != value:
+                raise StatsFileError(
+                    f"{source} do not match the model: {key} is {meta.get(key)!r} in the stats "
+                    f"(calibrated on {meta.get('model_name', '?')}) but {value!r} in the model"
+                )
+        signature = meta.get("weight_signature")
+        if signature is not None:
+            current = weight_signature(model)
+            if any(not math.isclose(a, b, rel_tol=0.02, abs_tol=1e-6) for a, b in zip(signature, current)):
+                raise StatsFileError(
+                    f"{source} were calibrated on different weights ({meta.get('model_name', '?')}): "
+                    "same architecture, but the q_proj weights differ; recalibrate with `trikv calibrate`"
+                )
+
+
+class StatsAccumulator:
+    """Streaming float64 sums of pre-RoPE q (and k) bands per layer and head."""
+
+    def __init__(self, shape: ModelShape, geometry: RopeGeometry):
+        F = shape.head_dim // 2
+        self.shape, self.geometry = shape, geometry
+        self.q_sum = torch.zeros(shape.num_layers, shape.num_heads, F, dtype=torch.complex128)
+        self.q_abs_sum = torch.zeros(shape.num_layers, shape.num_heads, F, dtype=torch.float64)
+        self.k_sum = torch.zeros(shape.num_layers, shape.num_kv_heads, F, dtype=torch.complex128)
+        self.k_abs_sum = torch.zeros(shape.num_layers, shape.num_kv_heads, F, dtype=torch.float64)
+        self.tokens_per_layer = torch.zeros(shape.num_layers, dtype=torch.long)
+
+    def add(self, layer: int, q: torch.Tensor, k: torch.Tensor) -> None:
+        # q: [b, Hq, n, D], k: [b, Hkv, n, D]
+        q_bands = self.geometry.to_complex(q.detach().double().cpu())  # [b, Hq, n, F]
+        k_bands = self.geometry.to_complex(k.detach().double().cpu())
+        self.q_sum[layer] += q_bands.sum(dim=(0, 2))
+        self.q_abs_sum[layer] += q_bands.abs().sum(dim=(0, 2))
+        self.k_sum[layer] += k_bands.sum(dim=(0, 2))
+        self.k_abs_sum[layer] += k_bands.abs().sum(dim=(0, 2))
+        self.tokens_per_layer[layer] += q.shape[0] * q.shape[2]
+
+    def finish(self, metadata: dict) -> QueryStats:
+        count = self.tokens_per_layer.double().clamp_min(1)[:, None, None]
+        return QueryStats(
+            q_mean=self.q_sum / count,
+            q_abs_mean=self.q_abs_sum / count,
+            k_mean=self.k_sum / count,
+            k_abs_mean=self.k_abs_sum / count,
+            metadata=metadata,
+        )
+
+
+def stats_metadata(model: torch.nn.Module, token_count: int, source: str, model_name: str | None = None) -> dict:
+    shape = model_shape(model)
+    geometry = RopeGeometry.from_model(model)
+    return {
+        "format": STATS_FORMAT,
+        "model_name": model_name or getattr(model, "trikv_name", None) or getattr(model.config, "_name_or_path", "?"),
+        "model_type": shape.model_type,
+        "num_layers": shape.num_layers,
+        "num_heads": shape.num_heads,
+        "num_kv_heads": shape.num_kv_heads,
+        "head_dim": shape.head_dim,
+        "layout": shape.layout,
+        "rope_checksum": geometry.checksum(),
+        "attention_scaling": geometry.attention_scaling,
+        "weight_signature": weight_signature(model),
+        "token_count": token_count,
+        "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+        "calibration_source": source,
+        "trikv_version": __version__,
+    }
+
+
+@torch.no_grad()
+def calibrate(
+    model: torch.nn.Module,
+    token_ids: torch.Tensor,
+    source: str,
+    chunk_tokens: int = 2048,
+    progress: bool = True,
+    model_name: str | None = None,
+) -> QueryStats:
+    """Stream `token_ids` [n] through the model in independent chunks and return its query statistics."""
+    from tqdm.auto import tqdm
+
+    shape = model_shape(model)
+    geometry = RopeGeometry.from_model(model)
+    if chunk_tokens < 2:
+        raise ValueError("chunk_tokens must be at least 2")
+    token_ids = token_ids.flatten()
+    if token_ids.numel() == 0:
+        raise ValueError("calibration text is empty")
+    accumulator = StatsAccumulator(shape, geometry)
+    device = next(model.parameters()).device
+    chunks = list(token_ids.split(chunk_tokens))
+    with capture_pre_rope(model, accumulator.add):
+        for chunk in tqdm(chunks, desc="calibrating", unit="chunk", disable=not progress):
+            model(input_ids=chunk[None].to(device), use_cache=False)
+    metadata = stats_metadata(model, int(token_ids.numel()), source, model_name)
+    return accumulator.finish(metadata)
+
+
+def bundled_stats_path(name: str) -> Path:
+    return Path(__file__).parent / "data" / "stats" / f"{name}.safetensors"
+
+
+def load_stats(name_or_path: str | Path, model: torch.nn.Module | None = None) -> QueryStats:
+    """Load stats by bundled model name or file path; validated against `model` when given."""
+    path = Path(name_or_path)
+    if not path.exists() and bundled_stats_path(str(name_or_path)).exists():
+        path = bundled_stats_path(str(name_or_path))
+    elif not path.exists():
+        raise StatsFileError(
+            f"no statistics file at {name_or_path!r} and no bundled stats of that name; "
+            "create one with `trikv calibrate --model M --text FILE --out stats.safetensors`"
+        )
+    stats = QueryStats.load(path)
+    if model is not None:
+        stats.check_matches(model, source=f"statistics {path.name}")
+    return stats

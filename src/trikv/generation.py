@@ -1,0 +1,215 @@
+"""A plain decode loop around any trikv cache: batches with left padding, greedy or sampled.
+
+It does what `model.generate(..., cache=cache)` does (same position ids, masks and sampling warpers, so
+the same tokens for the same seed) and also times every step and tracks the cache's memory.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from .cache import CompressedCache, make_cache
+
+
+def cache_bytes(cache) -> int:
+    """Live K/V bytes of a trikv cache or a transformers DynamicCache."""
+    if isinstance(cache, CompressedCache):
+        return cache.memory_bytes()
+    total = 0
+    for layer in getattr(cache, "layers", []):
+        if getattr(layer, "keys", None) is not None:
+            total += layer.keys.nbytes + layer.values.nbytes
+    return total
+
+
+def cache_entries(cache) -> int:
+    """Physical entries per (layer, row, KV head)."""
+    if isinstance(cache, CompressedCache):
+        return cache.entries()
+    layer = cache.layers[0] if getattr(cache, "layers", None) else None
+    return 0 if layer is None or layer.keys is None else layer.keys.shape[-2]
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[list[int]]  # generated ids per row (prompt excluded, stops at EOS)
+    texts: list[str]
+    prompt_lengths: list[int]
+    prefill_seconds: float
+    decode_seconds: float
+    steps: int
+    step_seconds: list[float] = field(default_factory=list)
+    final_cache_bytes: int = 0
+    peak_cache_bytes: int = 0
+    final_entries: int = 0
+    peak_entries: int = 0
+    compression_rounds: int = 0
+    scoring_seconds: float = 0.0
+    logits: list[torch.Tensor] | None = None  # per step [b, vocab] (return_logits=True)
+    cache: object = None
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        """Generated tokens (all rows) per second of decoding."""
+        rows = len(self.tokens)
+        return rows * max(self.steps - 1, 0) / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+
+def encode_prompts(tokenizer, prompts, chat: bool = True) -> dict:
+    """Tokenise prompts (strings, or lists of ids) into a left-padded batch."""
+    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        prompts = [prompts]
+    if not prompts:
+        raise ValueError("no prompts given")
+    if isinstance(prompts[0], str):
+        if chat and getattr(tokenizer, "chat_template", None):
+            ids = [
+                tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+                for p in prompts
+            ]
+        else:
+            ids = [tokenizer(p)["input_ids"] for p in prompts]
+    else:
+        ids = [list(p) for p in prompts]
+    if any(len(row) == 0 for row in ids):
+        raise ValueError("a prompt encodes to zero tokens")
+    width = max(len(row) for row in ids)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    input_ids = torch.tensor([[pad] * (width - len(row)) + row for row in ids])
+    attention_mask = torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in ids])
+    return {"input_ids": input_ids, "attention_mask": attention_mask}
+
+
+@torch.no_grad()
+def generate(
+    model,
+    tokenizer,
+    prompts,
+    method: str = "triattention",
+    budget: int | None = 2048,
+    stats=None,
+    cache=None,
+    max_new_tokens: int = 256,
+    min_new_tokens: int = 0,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int | None = 0,
+    chat: bool = True,
+    divide_length: int = 128,
+    return_logits: bool = False,
+    progress: bool = False,
+    **method_options,
+) -> GenerationResult:
+    """Generate for one prompt or a batch. `method="full"` uses transformers' DynamicCache."""
+    from tqdm.auto import tqdm
+
+    if max_new_tokens < 1:
+        raise ValueError("max_new_tokens must be >= 1")
+    device = next(model.parameters()).device
+    batch = encode_prompts(tokenizer, prompts, chat)
+    input_ids = batch["input_ids"].to(device)
+    attention_mask = batch["attention_mask"].to(device)
+    if cache is None:
+        if method == "full":
+            cache = DynamicCache(config=model.config)
+        else:
+            if stats is not None:
+                method_options["stats"] = stats
+            cache = make_cache(model, method, budget=budget, divide_length=divide_length, **method_options)
+    if seed is not None:
+        torch.manual_seed(seed)
+    warpers = LogitsProcessorList()
+    if do_sample:
+        if temperature != 1.0:
+            warpers.append(TemperatureLogitsWarper(temperature))
+        if top_k:
+            warpers.append(TopKLogitsWarper(top_k))
+        if top_p < 1.0:
+            warpers.append(TopPLogitsWarper(top_p))
+    eos_ids = tokenizer.eos_token_id
+    eos_ids = [] if eos_ids is None else ([eos_ids] if isinstance(eos_ids, int) else list(eos_ids))
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos_ids[0] if eos_ids else 0)
+
+    rows = input_ids.shape[0]
+    position_ids = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
+    sequence = input_ids
+    finished = torch.zeros(rows, dtype=torch.bool, device=device)
+    generated: list[torch.Tensor] = []
+    step_seconds: list[float] = []
+    all_logits: list[torch.Tensor] = []
+    peak_bytes = peak_entries = 0
+    next_input, next_positions = input_ids, position_ids
+    bar = tqdm(total=max_new_tokens, desc=f"generate[{method}]", unit="tok", disable=not progress)
+    prefill_seconds = 0.0
+    for step in range(max_new_tokens):
+        started = time.perf_counter()
+        mask = None if bool(attention_mask.all()) else attention_mask  # as generate(): all-ones masks are dropped
+        out = model(input_ids=next_input, attention_mask=mask, position_ids=next_positions, cache=cache, logits_to_keep=1)
+        logits = out.logits[:, -1, :].float()
+        if return_logits:
+            all_logits.append(logits.cpu())
+        scores = logits.clone()
+        if step < min_new_tokens and eos_ids:
+            scores[:, eos_ids] = float("-inf")
+        if do_sample:
+            scores = warpers(sequence, scores)
+            token = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+        else:
+            token = scores.argmax(-1)
+        token = torch.where(finished, torch.full_like(token, pad_id), token)
+        elapsed = time.perf_counter() - started
+        if step == 0:
+            prefill_seconds = elapsed
+        else:
+            step_seconds.append(elapsed)
+        generated.append(token)
+        sequence = torch.cat([sequence, token[:, None]], dim=-1)
+        if eos_ids:
+            finished |= torch.isin(token, torch.tensor(eos_ids, device=device))
+        peak_bytes = max(peak_bytes, cache_bytes(cache))
+        peak_entries = max(peak_entries, cache_entries(cache))
+        bar.update(1)
+        if bool(finished.all()):
+            break
+        attention_mask = torch.cat([attention_mask, attention_mask.new_ones(rows, 1)], dim=-1)
+        next_input = token[:, None]
+        next_positions = next_positions[:, -1:] + 1
+    bar.close()
+
+    tokens = torch.stack(generated, dim=1).tolist()
+    trimmed = []
+    for row in tokens:
+        cut = next((i + 1 for i, t in enumerate(row) if t in eos_ids), len(row))
+        trimmed.append(row[:cut])
+    if isinstance(cache, CompressedCache):
+        peak_bytes = max(peak_bytes, cache.memory_bytes() * cache.peak_length // max(cache.length, 1))
+        peak_entries = max(peak_entries, cache.peak_length)
+    return GenerationResult(
+        tokens=trimmed,
+        texts=[tokenizer.decode(row, skip_special_tokens=True) for row in trimmed],
+        prompt_lengths=batch["attention_mask"].sum(-1).tolist(),
+        prefill_seconds=prefill_seconds,
+        decode_seconds=sum(step_seconds),
+        steps=len(generated),
+        step_seconds=step_seconds,
+        final_cache_bytes=cache_bytes(cache),
+        peak_cache_bytes=peak_bytes,
+        final_entries=cache_entries(cache),
+        peak_entries=peak_entries,
+        compression_rounds=getattr(cache, "rounds", 0),
+        scoring_seconds=getattr(cache, "scoring_seconds", 0.0),
+        logits=all_logits if return_logits else None,
+        cache=cache,
+    )

@@ -1,0 +1,80 @@
+"""TriAttention (Mao et al. 2026): keys scored from calibrated pre-RoPE query statistics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..architectures import ModelShape
+from ..calibration import QueryStats
+from ..geometry import RopeGeometry
+from ..scoring import TriScorer, offset_values, zscore
+from .base import Policy, ScoringContext
+
+
+@dataclass
+class TriAttention(Policy):
+    """Score = S_trig + S_norm from calibrated query statistics (SPEC section 4); keep the top-B.
+
+    Rule: per query head, S_trig predicts the mean attention logit over future offsets
+    D = {1, 2, 4, ..., 2^16} from mu = E[q_f] and the key; S_norm = sum_f (1 - R_f) A_f |k_f| covers the
+    part of the query that is not concentrated. Scores are z-scored per query head over the candidates,
+    max-pooled over the G query heads of a KV head, and the top-B kept per (layer, KV head).
+    Defaults follow the paper: 17 geometric offsets up to 65536, mean over offsets, weighted norm, z-score,
+    max over the group, no recent window, prompt protected (by the cache). Cost: two batched matmuls of
+    [N, D] x [D, G] per (layer, KV head) every `divide_length` tokens; nothing per decode step.
+
+    Ablations: `use_trig=False` (norm only), `use_norm=False` (trig only), `weighted_norm=False`
+    (A_f |k_f|), `offset_spacing="linear"`, `max_offset`, `offset_aggregation="max"`,
+    `group_aggregation="mean"`, `shared_across_layers=True` (the reference harness's mode: one selection
+    per KV-head index, from the mean z-score over layers).
+    """
+
+    name = "triattention"
+    rule = "trigonometric series of calibrated pre-RoPE query centres + norm term; top-B per (layer, KV head)"
+    stats: QueryStats | None = None
+    max_offset: int = 65536
+    offset_spacing: str = "geometric"
+    use_trig: bool = True
+    use_norm: bool = True
+    weighted_norm: bool = True
+    offset_aggregation: str = "mean"
+    group_aggregation: str = "max"
+    normalize: bool = True
+    shared_across_layers: bool = False
+    recent_window: int = 0
+
+    def bind(self, model: torch.nn.Module, shape: ModelShape) -> None:
+        if self.stats is None:
+            raise ValueError(
+                "TriAttention needs calibration statistics: pass stats=trikv.load_stats(name_or_path, model)"
+            )
+        if self.group_aggregation not in ("max", "mean"):
+            raise ValueError(f"group_aggregation must be 'max' or 'mean', got {self.group_aggregation!r}")
+        self.stats.check_matches(model)
+        self.scorer = TriScorer(
+            self.stats.q_mean,
+            self.stats.q_abs_mean,
+            RopeGeometry.from_model(model),
+            shape.num_kv_heads,
+            offset_values(self.max_offset, self.offset_spacing),
+            use_trig=self.use_trig,
+            use_norm=self.use_norm,
+            weighted_norm=self.weighted_norm,
+            offset_aggregation=self.offset_aggregation,
+        )
+
+    def score(self, context: ScoringContext) -> torch.Tensor:
+        per_query_head = self.scorer.score(context.keys, context.current_position)  # [L, b, Hkv, G, N]
+        if self.normalize:
+            per_query_head = zscore(per_query_head, context.candidates[:, :, :, None, :])
+        if self.group_aggregation == "max":
+            scores = per_query_head.amax(3)
+        else:
+            scores = per_query_head.mean(3)  # [L, b, Hkv, N]
+        if self.shared_across_layers:
+            # Slots hold different tokens per layer after a per-layer round; this mode therefore keeps
+            # layers aligned by always sharing the selection (slots then match across layers).
+            scores = scores.mean(0, keepdim=True).expand_as(scores)
+        return scores

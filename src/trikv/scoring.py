@@ -1,0 +1,132 @@
+"""TriAttention scoring math (SPEC section 4), vectorised over layers, batch rows, heads and keys.
+
+For a cached post-RoPE key k (bands k_f) and the current position t, per query head with statistics
+mu_f = E[q_f], A_f = E|q_f|:
+
+    S_trig = mean_{o in D} Re sum_f mu_f conj(k_f) e^{i w_f (t + o)} / s
+           = Re sum_f [mu_f e^{i w_f t} c_f] conj(k_f) / s,        c_f = mean_o e^{i w_f o}
+    S_norm = sum_f (A_f - |mu_f|) |k_f| / s                        (= sum_f (1 - R_f) A_f |k_f|)
+
+The key's own position cancels because the cached key already carries its rotation e^{i w_f p}. Folding
+the offsets into c_f makes S_trig one matrix product: in the key's own dimension layout the bracket is a
+real [D] weight vector per (layer, row, query head), so S_trig = keys @ W.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .geometry import RopeGeometry
+
+
+def offset_values(max_offset: int = 65536, spacing: str = "geometric", count: int | None = None) -> torch.Tensor:
+    """Future offsets D: geometric 1, 2, 4, ..., max_offset (17 by default) or `count` linearly spaced."""
+    if max_offset < 1:
+        raise ValueError(f"max_offset must be >= 1, got {max_offset}")
+    if spacing == "geometric":
+        values = [2**i for i in range(0, max_offset.bit_length()) if 2**i <= max_offset]
+        return torch.tensor(values, dtype=torch.float64)
+    if spacing == "linear":
+        count = count or max_offset.bit_length()
+        return torch.linspace(1.0, float(max_offset), count, dtype=torch.float64).round()
+    raise ValueError(f"unknown offset spacing {spacing!r}; expected 'geometric' or 'linear'")
+
+
+def folded_offset_constant(omega: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """c_f = mean_o e^{i w_f o}: [F] complex128."""
+    angle = omega.double()[None, :] * offsets.double()[:, None]  # [O, F]
+    return torch.polar(torch.ones_like(angle), angle).mean(0)
+
+
+class TriScorer:
+    """Per-query-head TriAttention scores for all layers at once.
+
+    Built once per cache from the statistics; `score(keys, t)` is then two batched matmuls per round.
+    """
+
+    def __init__(
+        self,
+        q_mean: torch.Tensor,  # [L, Hq, F] complex
+        q_abs_mean: torch.Tensor,  # [L, Hq, F]
+        geometry: RopeGeometry,
+        num_kv_heads: int,
+        offsets: torch.Tensor,
+        use_trig: bool = True,
+        use_norm: bool = True,
+        weighted_norm: bool = True,
+        offset_aggregation: str = "mean",
+    ):
+        if offset_aggregation not in ("mean", "max"):
+            raise ValueError(f"offset_aggregation must be 'mean' or 'max', got {offset_aggregation!r}")
+        if not (use_trig or use_norm):
+            raise ValueError("at least one of the trigonometric and norm terms must be enabled")
+        self.geometry = geometry
+        self.num_layers, self.num_heads, self.num_bands = q_mean.shape
+        self.num_kv_heads = num_kv_heads
+        self.group = self.num_heads // num_kv_heads
+        self.offsets = offsets.double()
+        self.use_trig, self.use_norm = use_trig, use_norm
+        self.offset_aggregation = offset_aggregation
+        scale = geometry.attention_scaling
+        self.q_mean = q_mean.to(torch.complex128) / scale  # the 1/s undoes RoPE's scaling of cached keys
+        norm_weight = q_abs_mean.double() - q_mean.abs() if weighted_norm else q_abs_mean.double()
+        # [L, Hkv, F, G]: weights of |k_f| for the G query heads of each KV head
+        self.norm_weight = (norm_weight / scale).view(self.num_layers, num_kv_heads, self.group, -1).transpose(-1, -2)
+        self.fold = folded_offset_constant(geometry.omega, self.offsets)  # [F]
+        self._device_cache: dict = {}
+
+    def _on(self, device, dtype):
+        key = (device, dtype)
+        if key not in self._device_cache:
+            self._device_cache[key] = (
+                self.norm_weight.to(device=device, dtype=dtype),
+                self.geometry.real_index.to(device),
+                self.geometry.imag_index.to(device),
+            )
+        return self._device_cache[key]
+
+    def _trig_weights(self, t: torch.Tensor, offsets: torch.Tensor | None) -> torch.Tensor:
+        """[L, b, Hq, F] complex: mu_f e^{i w_f t} (times c_f, or e^{i w_f o} for one offset o)."""
+        omega = self.geometry.omega
+        angle = t.double().cpu()[:, None] * omega[None, :]  # [b, F]
+        rotation = torch.polar(torch.ones_like(angle), angle)
+        rotation = rotation * (self.fold if offsets is None else torch.polar(torch.ones_like(omega), omega * offsets))
+        return self.q_mean[:, None] * rotation[None, :, None, :]
+
+    def score(self, keys: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """keys [L, b, Hkv, N, D] post-RoPE, t [b] current positions -> scores [L, b, Hkv, G, N] (float32)."""
+        L, b, Hkv, N, D = keys.shape
+        keys = keys.float()
+        norm_weight, real_index, imag_index = self._on(keys.device, torch.float32)
+        score = keys.new_zeros(L, b, Hkv, N, self.group)
+        if self.use_norm:
+            k_real, k_imag = keys.index_select(-1, real_index), keys.index_select(-1, imag_index)
+            magnitude = torch.sqrt(k_real * k_real + k_imag * k_imag)  # [L, b, Hkv, N, F]
+            score += magnitude @ norm_weight[:, None]  # [L, b, Hkv, N, G]
+        if self.use_trig:
+            if self.offset_aggregation == "mean":
+                score += keys @ self._dense_weights(self._trig_weights(t, None), keys)
+            else:  # max over offsets of (S_trig(o) + S_norm), S_norm being offset-independent
+                per_offset = torch.stack(
+                    [keys @ self._dense_weights(self._trig_weights(t, o), keys) for o in self.offsets]
+                )
+                score += per_offset.amax(0)
+        return score.transpose(-1, -2)
+
+    def _dense_weights(self, coefficient: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """Complex [L, b, Hq, F] -> real [L, b, Hkv, D, G] in the key layout, so that keys @ W = Re(coef conj(k))."""
+        L, b, _, F = coefficient.shape
+        weights = torch.zeros(L, b, self.num_heads, self.geometry.head_dim, dtype=torch.float64)
+        weights[..., self.geometry.real_index] = coefficient.real
+        weights[..., self.geometry.imag_index] = coefficient.imag
+        weights = weights.view(L, b, self.num_kv_heads, self.group, -1).transpose(-1, -2)
+        return weights.to(device=keys.device, dtype=keys.dtype)
+
+
+def zscore(scores: torch.Tensor, candidates: torch.Tensor, min_std: float = 1e-6) -> torch.Tensor:
+    """Standardise `scores` [..., N] over the candidate entries of the last axis (population std, clamped)."""
+    weight = candidates.to(scores.dtype)
+    count = weight.sum(-1, keepdim=True).clamp_min(1.0)
+    mean = (scores * weight).sum(-1, keepdim=True) / count
+    var = (((scores - mean) ** 2) * weight).sum(-1, keepdim=True) / count
+    return (scores - mean) / var.sqrt().clamp_min(min_std)
