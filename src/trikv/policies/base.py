@@ -23,6 +23,29 @@ class ScoringContext:
     candidates: torch.Tensor  # [L, b, Hkv, N] bool: entries that compete (not padding, not protected)
     current_position: torch.Tensor  # [b] long: tokens seen so far by each row (= next RoPE position)
     budget: int
+    # Recent post-RoPE queries, for policies that declare `query_window > 0` (None otherwise): a ring over
+    # the last w tokens (slot = logical token index % w); `query_positions` gives each slot's RoPE position
+    # per row (-1 = empty slot or padding).
+    queries: torch.Tensor | None = None  # [L, b, Hq, w, D]
+    query_positions: torch.Tensor | None = None  # [b, w] long
+    protected: torch.Tensor | None = None  # [L, b, Hkv, N] bool: entries the cache keeps whatever the score
+
+
+@dataclass
+class ObservationContext:
+    """What `Policy.observe` sees after a forward: that forward's queries and every slot they attended.
+
+    During decoding the cache observes once per token, for all layers at once (`layers = slice(None)`);
+    a multi-token forward (prefill, a prompt chunk) is observed layer by layer as it runs, for policies
+    with `observe_prefill = True`.
+    """
+
+    layers: slice  # the layers `queries`, `keys` and `values` cover
+    queries: torch.Tensor  # [L', b, Hq, n, D] post-RoPE queries of one forward
+    query_positions: torch.Tensor  # [b, n] long: RoPE position of each query, -1 for padding
+    keys: torch.Tensor  # [L', b, Hkv, N, D]: every slot these queries attended (stored + new)
+    values: torch.Tensor  # [L', b, Hkv, N, D]
+    positions: torch.Tensor  # [L, b, Hkv, N] long for *all* layers (per-slot state), -1 = dead slot / padding
 
 
 class Policy:
@@ -39,3 +62,36 @@ class Policy:
     def score(self, context: ScoringContext) -> torch.Tensor:
         """Return scores [L, b, Hkv, N]; only candidate entries matter."""
         raise NotImplementedError
+
+    # ---- optional hooks (baselines that need live queries, per-step statistics or variable budgets) ----
+    query_window: int = 0  # the cache keeps the post-RoPE queries of the last `query_window` tokens per layer
+    observes: ClassVar[bool] = False  # call `observe` once per forward (H2O, TOVA-like per-step statistics)
+    observe_prefill: ClassVar[bool] = False  # also observe every query of multi-token forwards (prefill)
+    variable_budgets: ClassVar[bool] = False  # `allocate` returns per-(layer, row, head) budgets
+
+    def configure(self, budget: int | None, divide_length: int) -> int:
+        """Called once by the cache with its budget and slack; returns the slack to use.
+
+        A policy whose paper uses another schedule (every step, every W tokens) returns that slack when the
+        user asks for it; the default is the shared trigger.
+        """
+        return divide_length
+
+    def observe(self, context: ObservationContext) -> None:
+        """Update per-slot statistics with one forward's queries (only called when `observes`)."""
+
+    def allocate(self, scores: torch.Tensor, context: ScoringContext) -> torch.Tensor | None:
+        """Entries to keep per (layer, row, KV head), [L, b, Hkv] long, or None for `budget` everywhere.
+
+        `scores` are this round's scores with protected entries at +inf and dead slots at -inf.
+        """
+        return None
+
+    def after_round(self, order: torch.Tensor) -> None:
+        """Slot map of a round: new slot i of (layer, row, head) holds old slot order[..., i] (per-slot state)."""
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        """The cache kept/reordered batch rows (beam search, batch selection)."""
+
+    def reset(self) -> None:
+        """Forget per-sequence state (the cache was reset)."""

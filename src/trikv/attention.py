@@ -1,0 +1,79 @@
+"""Attention functions that honour a trikv cache's per-slot validity.
+
+After eviction, rows of a batch (and, for some policies, heads) hold different numbers of live entries
+in the same physical buffer; dead slots carry position -1. transformers' stock masks only know the
+logical 2D padding mask, so trikv registers two attention implementations, `trikv_sdpa` and
+`trikv_eager`. When the cache marks a forward as its own (`trikv_active` in the attention kwargs) they
+build the mask from slot validity and causality; otherwise they are exactly the stock `sdpa` / `eager`
+functions with the stock masks, so a model switched to them behaves as before with any other cache.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
+from transformers.modeling_utils import AttentionInterface
+
+from .architectures import UnsupportedModelError
+
+IMPLEMENTATIONS = {"sdpa": "trikv_sdpa", "eager": "trikv_eager"}
+
+
+def validity_mask(query: torch.Tensor, key: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor | None:
+    """Boolean mask [b, Hq, q, K] (or broadcastable): causal among the q new tokens (the last q slots) and valid slots.
+
+    valid: [b, Hkv, K] bool, or None when every slot is live. Returns None for a single query with all slots live.
+    """
+    b, num_heads, q, _ = query.shape
+    K = key.shape[2]
+    if q == 1 and valid is None:
+        return None
+    device = query.device
+    causal = torch.arange(K, device=device)[None, :] <= (K - q + torch.arange(q, device=device))[:, None]  # [q, K]
+    if valid is None:
+        return causal[None, None]
+    num_kv_heads = valid.shape[1]
+    # a query always sees its own slot: padding queries then stay finite instead of attending to nothing
+    own_slot = torch.arange(K, device=device)[None, :] == (K - q + torch.arange(q, device=device))[:, None]
+    allowed = (valid[:, :, None, :] & causal) | own_slot  # [b, Hkv, q, K]
+    group = num_heads // num_kv_heads
+    return allowed[:, :, None].expand(b, num_kv_heads, group, q, K).reshape(b, num_heads, q, K)
+
+
+def trikv_sdpa(module, query, key, value, attention_mask, trikv_active=False, trikv_valid=None, **kwargs):
+    if trikv_active:
+        attention_mask = validity_mask(query, key, trikv_valid)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def trikv_eager(module, query, key, value, attention_mask, trikv_active=False, trikv_valid=None, **kwargs):
+    if trikv_active:
+        allowed = validity_mask(query, key, trikv_valid)
+        attention_mask = None
+        if allowed is not None:
+            zero = torch.zeros((), dtype=query.dtype, device=query.device)
+            attention_mask = torch.where(allowed, zero, torch.finfo(query.dtype).min)
+    eager_forward = sys.modules[type(module).__module__].eager_attention_forward
+    return eager_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+AttentionInterface.register("trikv_sdpa", trikv_sdpa)
+AttentionInterface.register("trikv_eager", trikv_eager)
+AttentionMaskInterface.register("trikv_sdpa", sdpa_mask)
+AttentionMaskInterface.register("trikv_eager", eager_mask)
+
+
+def use_trikv_attention(model: torch.nn.Module) -> None:
+    """Switch `model` to the trikv twin of its attention implementation (idempotent)."""
+    current = model.config._attn_implementation
+    if current in IMPLEMENTATIONS.values():
+        return
+    if current not in IMPLEMENTATIONS:
+        raise UnsupportedModelError(
+            f"attention implementation {current!r} is not supported by trikv caches; "
+            "load the model with attn_implementation='sdpa' or 'eager'"
+        )
+    model.set_attn_implementation(IMPLEMENTATIONS[current])

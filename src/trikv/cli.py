@@ -1,0 +1,169 @@
+"""`trikv` command line: calibrate, generate, demo, methods (and analyze / bench when installed)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+
+def _add_calibrate(sub) -> None:
+    p = sub.add_parser("calibrate", help="compute pre-RoPE query statistics of a model from a text file")
+    p.add_argument("--model", default="smollm2-135m", help="bundled name, local path or hub id")
+    p.add_argument("--text", required=True, help="plain-text file to calibrate on")
+    p.add_argument("--out", required=True, help="output .safetensors file")
+    p.add_argument("--max-tokens", type=int, default=50_000, help="use at most this many tokens (default 50000)")
+    p.add_argument("--chunk-tokens", type=int, default=2048, help="tokens per forward pass (default 2048)")
+    p.add_argument("--source", help="description of the text stored in the metadata (default: the file name)")
+    p.set_defaults(func=cmd_calibrate)
+
+
+def cmd_calibrate(args) -> int:
+    from .calibration import calibrate
+    from .models import load_model
+
+    text_path = Path(args.text)
+    if not text_path.is_file():
+        sys.exit(f"trikv calibrate: no such text file: {text_path}")
+    text = text_path.read_text(encoding="utf-8")
+    if not text.strip():
+        sys.exit(f"trikv calibrate: {text_path} is empty")
+    model, tokenizer = load_model(args.model)
+    ids = tokenizer(text, return_tensors="pt").input_ids[0][: args.max_tokens]
+    started = time.perf_counter()
+    stats = calibrate(model, ids, source=args.source or text_path.name, chunk_tokens=args.chunk_tokens, model_name=args.model)
+    elapsed = time.perf_counter() - started
+    stats.save(args.out)
+    summary = stats.summary()
+    print(f"calibrated {args.model} on {summary['tokens']} tokens in {elapsed:.1f} s -> {args.out}")
+    print(
+        f"concentration over {summary['heads']} (layer, query head) pairs: mean R = {summary['mean_R']:.3f}, "
+        f"R > 0.9: {summary['share_R_gt_0.9']:.1%}, R > 0.95: {summary['share_R_gt_0.95']:.1%}"
+    )
+    return 0
+
+
+def _add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="generate text with a bounded KV cache")
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--prompt", help="prompt text (or use --prompt-file)")
+    p.add_argument("--prompt-file", help="file with one prompt, or a .jsonl of {'prompt': ...} rows for a batch")
+    p.add_argument("--method", default="triattention", help="eviction method (`trikv methods` lists them)")
+    p.add_argument("--budget", type=int, default=2048, help="KV entries per (layer, KV head) after a round")
+    p.add_argument("--divide-length", type=int, default=128, help="slack beta: compress at budget + beta")
+    p.add_argument("--stats", help="calibration statistics (default: the bundled stats of --model)")
+    p.add_argument("--max-new-tokens", type=int, default=512)
+    p.add_argument("--min-new-tokens", type=int, default=0)
+    p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
+    p.add_argument("--temperature", type=float, default=0.6)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    p.add_argument("--json", action="store_true", help="print a JSON record instead of text")
+    p.set_defaults(func=cmd_generate)
+
+
+def cmd_generate(args) -> int:
+    from .calibration import load_stats
+    from .generation import generate
+    from .models import load_model
+    from .policies import REGISTRY
+
+    if bool(args.prompt) == bool(args.prompt_file):
+        sys.exit("trikv generate: give exactly one of --prompt and --prompt-file")
+    if args.prompt_file:
+        path = Path(args.prompt_file)
+        if path.suffix == ".jsonl":
+            prompts = [json.loads(line)["prompt"] for line in path.read_text().splitlines() if line.strip()]
+        else:
+            prompts = [path.read_text()]
+    else:
+        prompts = [args.prompt]
+    if args.method not in REGISTRY:
+        sys.exit(f"trikv generate: unknown method {args.method!r}; available: {', '.join(REGISTRY)}")
+    model, tokenizer = load_model(args.model)
+    options = {}
+    if REGISTRY[args.method].needs_stats:
+        options["stats"] = load_stats(args.stats or args.model, model)
+    result = generate(
+        model, tokenizer, prompts, method=args.method, budget=args.budget, divide_length=args.divide_length,
+        max_new_tokens=args.max_new_tokens, min_new_tokens=args.min_new_tokens, do_sample=args.sample,
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed, chat=not args.no_chat,
+        progress=True, **options,
+    )
+    record = {
+        "method": args.method, "budget": args.budget, "texts": result.texts,
+        "decode_tokens_per_second": result.decode_tokens_per_second, "peak_cache_bytes": result.peak_cache_bytes,
+        "final_cache_bytes": result.final_cache_bytes, "compression_rounds": result.compression_rounds,
+    }
+    if args.json:
+        print(json.dumps(record, indent=2))
+    else:
+        for text in result.texts:
+            print(text)
+            print()
+        print(
+            f"[{args.method}] {result.decode_tokens_per_second:.1f} tok/s, KV peak {result.peak_cache_bytes / 2**20:.2f} MiB, "
+            f"final {result.final_cache_bytes / 2**20:.2f} MiB, {result.compression_rounds} rounds"
+        )
+    return 0
+
+
+def _add_demo(sub) -> None:
+    p = sub.add_parser("demo", help="full attention vs TriAttention on the bundled model, side by side")
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--stats", help="statistics file (default: bundled)")
+    p.add_argument("--budget", type=int, default=256)
+    p.add_argument("--divide-length", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=1500)
+    p.add_argument("--compare-first", type=int, default=200, help="agreement is measured on the first N tokens")
+    p.add_argument("--prompt", help="override the default prompt")
+    p.set_defaults(func=cmd_demo)
+
+
+def cmd_demo(args) -> int:
+    from .demo import DEFAULT_PROMPT, run_demo
+
+    run_demo(args.model, args.stats, args.budget, args.divide_length, args.new_tokens, args.prompt or DEFAULT_PROMPT, args.compare_first)
+    return 0
+
+
+def _add_methods(sub) -> None:
+    p = sub.add_parser("methods", help="list the eviction methods and their rules")
+    p.set_defaults(func=cmd_methods)
+
+
+def cmd_methods(args) -> int:
+    from .policies import REGISTRY
+
+    width = max(len(name) for name in REGISTRY)
+    for name, entry in REGISTRY.items():
+        print(f"{name.ljust(width)}  {entry.rule}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="trikv", description="Bounded KV caches for long reasoning (TriAttention and baselines)")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_calibrate(sub)
+    _add_generate(sub)
+    _add_demo(sub)
+    _add_methods(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as error:  # clear one-line errors for bad input
+        print(f"trikv {args.command}: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,211 @@
+"""The cache is exact: no eviction = plain transformers; eviction = masking; batches = rows alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import trikv
+from trikv.cache import CompressedCache
+from trikv.policies import REGISTRY
+
+from helpers import VisibleLog, masked_reference_logits, tiny_model
+from stats_fixtures import tiny_stats
+
+FAMILIES = ["llama", "qwen2", "qwen3", "mistral"]
+
+
+def _generate(model, input_ids, cache, **kwargs):
+    torch.manual_seed(1234)
+    return model.generate(
+        input_ids=input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        cache=cache,
+        max_new_tokens=24,
+        min_new_tokens=24,
+        return_dict_in_generate=True,
+        output_logits=True,
+        pad_token_id=0,
+        **kwargs,
+    )
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("sampling", [False, True])
+def test_no_eviction_matches_dynamic_cache(family, sampling):
+    model = tiny_model(family)
+    input_ids = torch.randint(1, 96, (1, 40))
+    options = dict(do_sample=True, top_k=20, temperature=0.8) if sampling else dict(do_sample=False)
+    reference = _generate(model, input_ids, DynamicCache(config=model.config), **options)
+    cache = trikv.make_cache(model, "triattention", budget=512, stats=tiny_stats(model))
+    ours = _generate(model, input_ids, cache, **options)
+    assert torch.equal(reference.sequences, ours.sequences)
+    for ref_logits, our_logits in zip(reference.logits, ours.logits):
+        torch.testing.assert_close(our_logits, ref_logits, rtol=0, atol=1e-5)
+    assert cache.rounds == 0 and cache.get_seq_length() == 40 + 23
+
+
+@pytest.mark.parametrize("method", ["triattention", "streaming", "full"])
+def test_generate_helper_matches_transformers(method):
+    model = tiny_model("llama")
+    tokenizer = _ByteTokenizer()
+    prompt = list(range(5, 45))
+    options = {"stats": tiny_stats(model)} if REGISTRY[method].needs_stats else {}
+    ours = trikv.generate(model, tokenizer, [prompt], method=method, budget=1000, max_new_tokens=20, min_new_tokens=20, return_logits=True, **options)
+    reference = _generate(model, torch.tensor([prompt]), DynamicCache(config=model.config))
+    assert ours.tokens[0] == reference.sequences[0, 40:].tolist()[: len(ours.tokens[0])]
+    torch.testing.assert_close(torch.stack(ours.logits)[:, 0], torch.stack(reference.logits)[:20, 0], rtol=0, atol=1e-5)
+
+
+class _ByteTokenizer:
+    """Minimal tokenizer stand-in for tiny models (ids in, ids out)."""
+
+    pad_token_id = 0
+    eos_token_id = None
+    chat_template = None
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(map(str, ids))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_eviction_equals_masking(family, attn):
+    model = tiny_model(family, attn=attn)
+    tokenizer = _ByteTokenizer()
+    prompt = torch.randint(1, 96, (1, 30)).tolist()
+    log = VisibleLog(model)
+    try:
+        result = trikv.generate(
+            model, tokenizer, prompt, method="triattention", stats=tiny_stats(model), budget=48, divide_length=16,
+            max_new_tokens=90, min_new_tokens=90, return_logits=True,
+        )
+    finally:
+        log.close()
+    cache = result.cache
+    assert cache.rounds >= 4, "the test must exercise several compression rounds"
+    generated = torch.tensor(result.tokens)
+    reference = masked_reference_logits(model, torch.tensor(prompt), torch.ones(1, 30, dtype=torch.long), generated, log.visible)
+    ours = torch.stack(result.logits)
+    torch.testing.assert_close(ours, reference, rtol=0, atol=2e-4)
+    # and eviction really changed something: full attention differs
+    full = trikv.generate(model, tokenizer, prompt, method="full", max_new_tokens=90, min_new_tokens=90, return_logits=True)
+    assert (torch.stack(full.logits) - ours).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_left_padded_batch_equals_rows_alone(attn):
+    model = tiny_model("llama", attn=attn)
+    tokenizer = _ByteTokenizer()
+    prompts = [torch.randint(1, 96, (n,)).tolist() for n in (37, 12, 25)]
+    stats = tiny_stats(model)
+    options = dict(method="triattention", stats=stats, budget=40, divide_length=8, max_new_tokens=60, min_new_tokens=60, return_logits=True)
+    batch = trikv.generate(model, tokenizer, prompts, **options)
+    assert batch.cache.rounds >= 3
+    for row, prompt in enumerate(prompts):
+        alone = trikv.generate(model, tokenizer, [prompt], **options)
+        assert batch.tokens[row] == alone.tokens[0]
+        torch.testing.assert_close(torch.stack(batch.logits)[:, row], torch.stack(alone.logits)[:, 0], rtol=0, atol=2e-4)
+
+
+def test_left_padded_batch_masking_reference():
+    model = tiny_model("qwen2", attn="eager")
+    tokenizer = _ByteTokenizer()
+    prompts = [torch.randint(1, 96, (n,)).tolist() for n in (33, 9)]
+    log = VisibleLog(model)
+    try:
+        result = trikv.generate(model, tokenizer, prompts, method="triattention", stats=tiny_stats(model), budget=32, divide_length=8, max_new_tokens=50, min_new_tokens=50, return_logits=True)
+    finally:
+        log.close()
+    input_ids = torch.tensor([[0] * (33 - len(p)) + p for p in prompts])
+    attention_mask = (torch.arange(33)[None, :] >= torch.tensor([0, 24])[:, None]).long()
+    reference = masked_reference_logits(model, input_ids, attention_mask, torch.tensor(result.tokens), log.visible)
+    torch.testing.assert_close(torch.stack(result.logits), reference, rtol=0, atol=2e-4)
+
+
+def test_chunked_prefill_compresses_as_cache_fills():
+    model = tiny_model("llama", attn="eager")
+    stats = tiny_stats(model)
+    prompt = torch.randint(1, 96, (1, 200))
+    cache = trikv.make_cache(model, "triattention", budget=48, divide_length=16, stats=stats, protect_prompt=False)
+    log = VisibleLog(model)
+    logits = []
+    try:
+        with torch.no_grad():
+            for start in range(0, 200, 50):
+                chunk = prompt[:, start : start + 50]
+                positions = torch.arange(start, start + 50)[None]
+                logits.append(model(input_ids=chunk, position_ids=positions, cache=cache).logits[:, -1])
+    finally:
+        log.close()
+    assert cache.rounds == 2 and cache.length == 48 + 50 and cache.get_seq_length() == 200
+    # the same chunks through masked full attention
+    from helpers import _STATE, attention_implementation
+
+    reference_cache = DynamicCache(config=model.config)
+    for index, (start, visible) in enumerate(zip(range(0, 200, 50), log.visible)):
+        total = start + 50
+        allowed = torch.zeros(visible.shape[0], 1, visible.shape[2], total, dtype=torch.bool)
+        allowed.scatter_(3, visible, True)
+        causal = torch.arange(total)[None, :] <= torch.arange(start, total)[:, None]
+        _STATE["allowed"] = allowed[:, :, :, None, :] & causal
+        with attention_implementation(model, "trikv_test_masked"), torch.no_grad():
+            out = model(input_ids=prompt[:, start:total], position_ids=torch.arange(start, total)[None], cache=reference_cache)
+        torch.testing.assert_close(logits[index], out.logits[:, -1], rtol=0, atol=2e-4)
+
+
+def test_memory_bounds_every_round():
+    model = tiny_model("llama")
+    stats = tiny_stats(model)
+    budget, beta = 40, 16
+    cache = trikv.make_cache(model, "triattention", budget=budget, divide_length=beta, stats=stats)
+    lengths_after_round = []
+    original = cache.compress
+
+    def compress():
+        original()
+        lengths_after_round.append((cache.length, cache.memory_bytes()))
+
+    cache.compress = compress
+    tokenizer = _ByteTokenizer()
+    log = VisibleLog(model)
+    try:
+        trikv.generate(model, tokenizer, [list(range(1, 30))], cache=cache, max_new_tokens=150, min_new_tokens=150)
+    finally:
+        log.close()
+    per_entry = 2 * 3 * 1 * 2 * 16 * 4  # K+V x layers x rows x kv heads x head_dim x fp32
+    assert len(lengths_after_round) >= 5
+    assert all(length == budget and nbytes == budget * per_entry for length, nbytes in lengths_after_round)
+    assert max(v.shape[-1] for v in log.visible) == budget + beta
+    assert cache.peak_length == budget + beta
+    assert cache.capacity == budget + beta  # preallocated once, never reallocated
+
+
+def test_rows_keep_their_own_selection():
+    model = tiny_model("llama")
+    tokenizer = _ByteTokenizer()
+    prompts = [torch.randint(1, 96, (20,)).tolist() for _ in range(2)]
+    result = trikv.generate(model, tokenizer, prompts, method="triattention", stats=tiny_stats(model), budget=24, divide_length=8, max_new_tokens=40, min_new_tokens=40)
+    positions = result.cache.positions[:, :, :, : result.cache.length]
+    assert not torch.equal(positions[:, 0], positions[:, 1])
+    # live entries are in ascending original order in every (layer, row, head)
+    for row in positions.flatten(0, 2):
+        live = row[row >= 0]
+        assert bool((live[1:] > live[:-1]).all())
+
+
+def test_model_generate_padded_batch_equals_decode_loop():
+    """transformers' generate() (its own masks, positions and pads) and trikv.generate agree on a padded batch."""
+    model = tiny_model("llama", attn="eager")
+    tokenizer = _ByteTokenizer()
+    prompts = [torch.randint(1, 96, (n,)).tolist() for n in (30, 11)]
+    stats = tiny_stats(model)
+    ours = trikv.generate(model, tokenizer, prompts, method="triattention", stats=stats, budget=32, divide_length=8, max_new_tokens=50, min_new_tokens=50)
+    input_ids = torch.tensor([[0] * (30 - len(p)) + p for p in prompts])
+    attention_mask = (input_ids != 0).long()
+    attention_mask[0] = 1
+    cache = trikv.make_cache(model, "triattention", budget=32, divide_length=8, stats=stats)
+    out = model.generate(input_ids=input_ids, attention_mask=attention_mask, cache=cache, max_new_tokens=50, min_new_tokens=50, do_sample=False, pad_token_id=0)
+    assert cache.rounds >= 3
+    assert out[:, 30:].tolist() == ours.tokens

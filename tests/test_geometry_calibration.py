@@ -1,0 +1,127 @@
+"""RoPE geometry matches each family's own rotary module; calibration captures the exact pre-RoPE query."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from trikv.architectures import attention_modules, model_shape
+from trikv.calibration import QueryStats, StatsAccumulator, calibrate, capture_pre_rope
+from trikv.geometry import RopeGeometry
+
+from helpers import tiny_model
+
+ROPE_CASES = [
+    ("llama", {}),
+    ("qwen2", {}),
+    ("qwen3", {}),
+    ("mistral", {}),
+    ("llama", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 256}}),
+    ("qwen2", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 256}}),
+    ("llama", {"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}}),
+]
+
+
+@pytest.mark.parametrize("family,overrides", ROPE_CASES)
+def test_geometry_rotation_equals_model_rope(family, overrides):
+    model = tiny_model(family, **overrides)
+    geometry = RopeGeometry.from_model(model)
+    rotary = model.model.rotary_emb
+    modeling = sys.modules[type(attention_modules(model)[0]).__module__]
+    positions = torch.tensor([[0, 1, 7, 100, 1000, 3000]])
+    x = torch.randn(1, 2, 6, geometry.head_dim)
+    cos, sin = rotary(x, positions)
+    expected, _ = modeling.apply_rotary_pos_emb(x, x, cos, sin)
+    ours = geometry.rotate(x, positions[0])
+    # HF evaluates the angles in float32 (about 1e-4 absolute at position 3000); ours are float64
+    torch.testing.assert_close(ours, expected, rtol=0, atol=3e-4)
+    if "yarn" in str(overrides):
+        assert geometry.attention_scaling != 1.0  # the mscale is really read from the model
+
+
+def test_interleaved_layout_pairs_adjacent_dimensions():
+    geometry = RopeGeometry.build(torch.tensor([1.0, 0.1]), head_dim=4, layout="interleaved")
+    x = torch.tensor([[1.0, 0.0, 0.0, 1.0]])
+    rotated = geometry.rotate(x, torch.tensor([1]))
+    # band 0 = (x0, x1) rotated by 1 rad, band 1 = (x2, x3) rotated by 0.1 rad
+    torch.testing.assert_close(rotated[0, :2], torch.tensor([torch.cos(torch.tensor(1.0)), torch.sin(torch.tensor(1.0))]))
+    torch.testing.assert_close(rotated[0, 2:], torch.tensor([-torch.sin(torch.tensor(0.1)), torch.cos(torch.tensor(0.1))]))
+    with pytest.raises(ValueError, match="layout"):
+        RopeGeometry.build(torch.tensor([1.0]), 2, layout="diagonal")
+
+
+def test_partial_rotary_bands_do_not_rotate():
+    geometry = RopeGeometry.build(torch.tensor([1.0, 0.5]), head_dim=8, layout="half")
+    assert geometry.omega.tolist() == [1.0, 0.5, 0.0, 0.0]
+    x = torch.randn(1, 8)
+    rotated = geometry.rotate(x, torch.tensor([5]))
+    torch.testing.assert_close(rotated[0, 4:], x[0, 4:])
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
+def test_capture_sees_exact_pre_rope_query(family):
+    """The captured q equals q_proj (+bias) (+q_norm for Qwen3) of the attention input, before rotation."""
+    model = tiny_model(family)
+    attn = attention_modules(model)[1]
+    inputs = {}
+
+    def remember_input(module, args, kwargs):
+        inputs.setdefault("h", kwargs.get("hidden_states", args[0] if args else None))
+
+    handle = attn.register_forward_pre_hook(remember_input, with_kwargs=True)
+    captured = {}
+    try:
+        with capture_pre_rope(model, lambda layer, q, k: captured.setdefault(layer, (q.clone(), k.clone()))):
+            model(input_ids=torch.randint(1, 96, (1, 9)))
+    finally:
+        handle.remove()
+    hidden = inputs["h"]
+    shape = (1, 9, -1, attn.head_dim)
+    expected_q = attn.q_proj(hidden).view(shape)
+    if hasattr(attn, "q_norm"):
+        expected_q = attn.q_norm(expected_q)
+    torch.testing.assert_close(captured[1][0], expected_q.transpose(1, 2))
+    assert sorted(captured) == list(range(model.config.num_hidden_layers))
+    if family == "qwen3":
+        unnormed = attn.q_proj(hidden).view(shape).transpose(1, 2)
+        assert (captured[1][0] - unnormed).abs().max() > 1e-3  # q_norm really matters
+
+
+def test_streaming_accumulator_equals_batch_means():
+    model = tiny_model("llama")
+    geometry = RopeGeometry.from_model(model)
+    ids = torch.randint(1, 96, (300,))
+    stats = calibrate(model, ids, source="test", chunk_tokens=64, progress=False)
+    collected = []
+    with capture_pre_rope(model, lambda layer, q, k: collected.append((layer, q.clone()))):
+        for chunk in ids.split(64):
+            model(input_ids=chunk[None])
+    layer0 = torch.cat([q for layer, q in collected if layer == 0], dim=2)  # [1, Hq, 300, D]
+    bands = geometry.to_complex(layer0.double())[0]  # [Hq, 300, F]
+    torch.testing.assert_close(stats.q_mean[0], bands.mean(1))
+    torch.testing.assert_close(stats.q_abs_mean[0], bands.abs().mean(1))
+    assert stats.metadata["token_count"] == 300
+    assert ((stats.concentration >= 0) & (stats.concentration <= 1 + 1e-9)).all()
+
+
+def test_stats_round_trip(tmp_path):
+    model = tiny_model("qwen3")
+    stats = calibrate(model, torch.randint(1, 96, (100,)), source="unit test", progress=False)
+    path = tmp_path / "stats.safetensors"
+    stats.save(path)
+    loaded = QueryStats.load(path)
+    torch.testing.assert_close(loaded.q_mean, stats.q_mean.to(torch.complex64).to(torch.complex128))
+    assert loaded.metadata["calibration_source"] == "unit test"
+    assert loaded.metadata["model_type"] == "qwen3"
+    loaded.check_matches(model)
+    summary = loaded.summary()
+    assert summary["heads"] == model.config.num_hidden_layers * model.config.num_attention_heads
+    assert 0.0 <= summary["share_R_gt_0.95"] <= summary["share_R_gt_0.9"] <= 1.0
+
+
+def test_model_shape_of_families():
+    shape = model_shape(tiny_model("qwen3"))
+    assert (shape.num_layers, shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.layout) == (3, 4, 2, 16, "half")

@@ -1,0 +1,122 @@
+"""The same exactness guarantees on the bundled real model (SmolLM2-135M-Instruct from its GGUF)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import trikv
+
+from helpers import VisibleLog, masked_reference_logits
+
+pytestmark = pytest.mark.real_model
+
+PROMPT = "Explain step by step why the sum of the first n odd numbers is n squared."
+
+
+@pytest.fixture(scope="module")
+def model_and_stats(real_model):
+    model, tokenizer = real_model
+    return model, tokenizer, trikv.load_stats("smollm2-135m", model)
+
+
+def _inputs(tokenizer, prompt=PROMPT):
+    return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True)
+
+
+@pytest.mark.parametrize("sampling", [False, True])
+def test_no_eviction_identical_to_transformers(model_and_stats, sampling):
+    model, tokenizer, stats = model_and_stats
+    inputs = _inputs(tokenizer)
+    options = dict(do_sample=True, temperature=0.6, top_p=0.95, top_k=0) if sampling else dict(do_sample=False)
+    outputs = []
+    for cache in (DynamicCache(config=model.config), trikv.TriAttentionCache(model, stats, budget=4096)):
+        torch.manual_seed(11)
+        outputs.append(model.generate(**inputs, cache=cache, max_new_tokens=80, min_new_tokens=80, return_dict_in_generate=True, output_logits=True))
+    reference, ours = outputs
+    assert torch.equal(reference.sequences, ours.sequences)
+    torch.testing.assert_close(torch.stack(ours.logits), torch.stack(reference.logits), rtol=0, atol=1e-4)
+
+
+def test_eviction_equals_masking_on_real_model(model_and_stats):
+    model, tokenizer, stats = model_and_stats
+    prompt_ids = _inputs(tokenizer)["input_ids"][0].tolist()
+    log = VisibleLog(model)
+    try:
+        result = trikv.generate(model, tokenizer, [prompt_ids], method="triattention", stats=stats, budget=64, divide_length=16,
+                                max_new_tokens=100, min_new_tokens=100, return_logits=True)
+    finally:
+        log.close()
+    assert result.cache.rounds >= 5
+    reference = masked_reference_logits(model, torch.tensor([prompt_ids]), torch.ones(1, len(prompt_ids), dtype=torch.long),
+                                        torch.tensor(result.tokens), log.visible)
+    torch.testing.assert_close(torch.stack(result.logits), reference, rtol=0, atol=5e-4)
+
+
+def test_left_padded_batch_equals_rows_alone_on_real_model(model_and_stats):
+    model, tokenizer, stats = model_and_stats
+    prompts = [PROMPT, "What is 12 times 13?"]
+    options = dict(method="triattention", stats=stats, budget=64, divide_length=16, max_new_tokens=80, min_new_tokens=80)
+    batch = trikv.generate(model, tokenizer, prompts, **options)
+    assert batch.cache.rounds >= 3
+    for row, prompt in enumerate(prompts):
+        alone = trikv.generate(model, tokenizer, prompt, **options)
+        assert batch.tokens[row] == alone.tokens[0]
+
+
+def test_bundled_stats_match_bundled_model(model_and_stats):
+    model, _, stats = model_and_stats
+    meta = stats.metadata
+    assert meta["model_name"] == "smollm2-135m"
+    assert meta["token_count"] >= 4096
+    assert "MATH-500" in meta["calibration_source"]
+    stats.check_matches(model)
+
+
+def test_demo_command_runs_end_to_end():
+    result = subprocess.run(
+        [sys.executable, "-m", "trikv.cli", "demo", "--new-tokens", "48", "--budget", "32", "--divide-length", "8", "--compare-first", "40"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    out = result.stdout
+    for needle in ("KV cache bytes, peak", "decode tokens/s", "agreement, first 40 tokens", "full attention, first lines", "TriAttention, first lines"):
+        assert needle in out
+    assert "compression rounds" in out
+
+
+def test_generate_command_with_streaming(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "trikv.cli", "generate", "--prompt", "Count to ten.", "--method", "streaming", "--budget", "16",
+         "--divide-length", "8", "--max-new-tokens", "30", "--json"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    import json
+
+    record = json.loads(result.stdout[result.stdout.index("{"):])
+    assert record["method"] == "streaming" and record["compression_rounds"] >= 1 and record["texts"][0]
+
+
+def test_calibrate_command(tmp_path):
+    text = tmp_path / "text.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 60)
+    out = tmp_path / "stats.safetensors"
+    result = subprocess.run(
+        [sys.executable, "-m", "trikv.cli", "calibrate", "--model", "smollm2-135m", "--text", str(text), "--out", str(out), "--max-tokens", "256"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "R > 0.9:" in result.stdout and "R > 0.95:" in result.stdout
+    stats = trikv.QueryStats.load(out)
+    assert stats.metadata["token_count"] == 256 and stats.metadata["calibration_source"] == "text.txt"
+
+
+def test_calibrate_command_reports_missing_file(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "trikv.cli", "calibrate", "--text", str(tmp_path / "nope.txt"), "--out", str(tmp_path / "s")],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0 and "no such text file" in result.stderr
