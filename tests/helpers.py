@@ -122,8 +122,10 @@ def masked_reference_logits(model, input_ids, attention_mask, generated, visible
         # logical index of each visible entry = position + pad
         logical = torch.where(positions >= 0, positions + pads[None, :, None, None], torch.full_like(positions, -1))
         L, _, Hkv, _ = positions.shape
-        allowed_keys = torch.zeros(L, b, Hkv, total, dtype=torch.bool)
-        allowed_keys.scatter_(3, logical.clamp_min(0), logical >= 0)
+        # dead slots scatter into a spare last column, which is dropped
+        allowed_keys = torch.zeros(L, b, Hkv, total + 1, dtype=torch.bool)
+        allowed_keys.scatter_(3, torch.where(logical >= 0, logical, total), True)
+        allowed_keys = allowed_keys[..., :total]
         query_index = torch.arange(seen, total)
         key_index = torch.arange(total)
         causal = key_index[None, :] <= query_index[:, None]  # [q, T]

@@ -209,3 +209,23 @@ def test_model_generate_padded_batch_equals_decode_loop():
     out = model.generate(input_ids=input_ids, attention_mask=attention_mask, cache=cache, max_new_tokens=50, min_new_tokens=50, do_sample=False, pad_token_id=0)
     assert cache.rounds >= 3
     assert out[:, 30:].tolist() == ours.tokens
+
+
+@pytest.mark.parametrize("method", [name for name in REGISTRY if name.startswith("triattention")])
+def test_every_triattention_variant_is_exact_masking(method):
+    model = tiny_model("llama", attn="eager")
+    tokenizer = _ByteTokenizer()
+    prompts = [torch.randint(1, 96, (n,)).tolist() for n in (24, 10)]
+    log = VisibleLog(model)
+    try:
+        result = trikv.generate(model, tokenizer, prompts, method=method, stats=tiny_stats(model), budget=28, divide_length=8,
+                                max_new_tokens=40, min_new_tokens=40, return_logits=True)
+    finally:
+        log.close()
+    assert result.cache.rounds >= 3
+    input_ids = torch.tensor([[0] * (24 - len(p)) + p for p in prompts])
+    attention_mask = (torch.arange(24)[None, :] >= torch.tensor([0, 14])[:, None]).long()
+    reference = masked_reference_logits(model, input_ids, attention_mask, torch.tensor(result.tokens), log.visible)
+    torch.testing.assert_close(torch.stack(result.logits), reference, rtol=0, atol=2e-4)
+    live = (result.cache.positions[:, :, :, : result.cache.length] >= 0).sum(-1)
+    assert int(live.max()) <= 28 + 8

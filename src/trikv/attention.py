@@ -43,17 +43,34 @@ def validity_mask(query: torch.Tensor, key: torch.Tensor, valid: torch.Tensor | 
     return allowed[:, :, None].expand(b, num_kv_heads, group, q, K).reshape(b, num_heads, q, K)
 
 
-def trikv_sdpa(module, query, key, value, attention_mask, trikv_active=False, trikv_valid=None, **kwargs):
+def bias_mask(query: torch.Tensor, allowed: torch.Tensor | None, bias: torch.Tensor) -> torch.Tensor:
+    """Additive float mask [b, Hq, q|1, K]: each key's log-bias (bias [b, Hkv, K], expanded to the G query
+    heads of its KV head), and the dtype's minimum where `allowed` (validity_mask) is False.
+
+    Compaction (issue 5): attention-matching policies store a bias per entry; new tokens carry 0.
+    """
+    group = query.shape[1] // bias.shape[1]
+    per_key = bias.to(query.dtype).repeat_interleave(group, dim=1)[:, :, None, :]  # [b, Hq, 1, K]
+    if allowed is None:
+        return per_key
+    return torch.where(allowed, per_key, torch.finfo(query.dtype).min)
+
+
+def trikv_sdpa(module, query, key, value, attention_mask, trikv_active=False, trikv_valid=None, trikv_bias=None, **kwargs):
     if trikv_active:
         attention_mask = validity_mask(query, key, trikv_valid)
+        if trikv_bias is not None:  # compaction (issue 5): per-key log-biases
+            attention_mask = bias_mask(query, attention_mask, trikv_bias)
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
-def trikv_eager(module, query, key, value, attention_mask, trikv_active=False, trikv_valid=None, **kwargs):
+def trikv_eager(module, query, key, value, attention_mask, trikv_active=False, trikv_valid=None, trikv_bias=None, **kwargs):
     if trikv_active:
         allowed = validity_mask(query, key, trikv_valid)
         attention_mask = None
-        if allowed is not None:
+        if trikv_bias is not None:  # compaction (issue 5): per-key log-biases
+            attention_mask = bias_mask(query, allowed, trikv_bias)
+        elif allowed is not None:
             zero = torch.zeros((), dtype=query.dtype, device=query.device)
             attention_mask = torch.where(allowed, zero, torch.finfo(query.dtype).min)
     eager_forward = sys.modules[type(module).__module__].eager_attention_forward

@@ -29,6 +29,10 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from .architectures import ModelShape, decoder, model_shape
 from .attention import use_trikv_attention
 from .policies import Policy, ScoringContext, make_policy
+from .policies.base import ObservationContext  # baselines (issue 3)
+from .policies.base import CompactionContext  # compaction (issue 5)
+from .query_capture import QueryWindow, install_query_tap, take_query, want_queries  # baselines (issue 3)
+from .fast import accelerate, gather_slots  # speed (issue 6)
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +119,7 @@ class CompressedCache(Cache):
         self.policy = policy
         if not policy.evicts:
             budget = None
+        divide_length = policy.configure(budget, divide_length)  # baselines: a paper schedule may set the slack
         if budget is not None:
             if not isinstance(budget, int) or budget <= 0:
                 raise ValueError(f"budget must be a positive integer, got {budget!r}")
@@ -130,6 +135,11 @@ class CompressedCache(Cache):
         self.protect_prompt = protect_prompt
         self.min_decode_room = min_decode_room
         policy.bind(model, self.shape)
+        accelerate(policy)  # speed (issue 6): the fast TriAttention scorer (same scores, no per-element index copies)
+        # baselines (issue 3): post-RoPE queries of the last `policy.query_window` tokens, for attention scores
+        self.query_window = QueryWindow(policy.query_window, self.shape.num_layers) if policy.query_window > 0 else None
+        if self.query_window is not None:
+            install_query_tap(model)
         super().__init__(layers=[_LayerView(self, i) for i in range(self.shape.num_layers)])
         attach(model)
         self._reset_state()
@@ -150,6 +160,24 @@ class CompressedCache(Cache):
         self._prompt_dropped_logged = False
         self._write_at = 0
         self._has_dead_slots = False
+        # baselines (issue 3)
+        # Each row is due `divide_length` tokens after its last round: when its live entries (mean per layer
+        # and KV head) reach base + divide_length, base = that mean after the round (budget before any round;
+        # it differs from the budget only for policies that keep more or fewer, e.g. PyramidKV's layers).
+        # _excess_slots is the offset that makes `length - _excess_slots >= budget + divide_length` exactly
+        # "some row is due"; budget + divide_length + _excess_slots is the capacity the next round needs.
+        self._round_base: torch.Tensor | None = None  # [b] long; None = budget for every row
+        self._excess_slots = 0
+        self._observe_pending = False  # the last forward was one token: observe it before the next one
+        self.observe_seconds = 0.0  # time in per-step policy statistics (H2O, LazyEviction, ...)
+        if getattr(self, "query_window", None) is not None:
+            self.query_window.reset()
+        # compaction (issue 5)
+        self.biases: torch.Tensor | None = None  # [L, b, Hkv, capacity] float32 log-biases (compacting policies)
+        self._has_bias = False  # some live entry carries a nonzero bias (published to attention)
+        self.tokens: torch.Tensor | None = None  # [b, >= seen] long: token id by logical index (needs_tokens)
+        self.compaction_seconds = 0.0  # time in policy.compact (included in scoring_seconds)
+        self.policy.reset()
 
     def reset(self):
         self._reset_state()
@@ -181,7 +209,8 @@ class CompressedCache(Cache):
         if self.keys is None:
             return 0
         L, b, h, _, d = self.keys.shape
-        return 2 * L * b * h * self.length * d * self.keys.element_size()
+        bias_bytes = 0 if self.biases is None else L * b * h * self.length * self.biases.element_size()  # issue 5
+        return 2 * L * b * h * self.length * d * self.keys.element_size() + bias_bytes
 
     def allocated_bytes(self) -> int:
         """Bytes the K/V buffers occupy, spare slots included."""
@@ -196,7 +225,11 @@ class CompressedCache(Cache):
             self._read_padding(attention_mask)
         if query_length == 1 and self.seen > 0:
             self.decoding = True
-        if self.budget is not None and self.length >= self.budget + self.divide_length:
+        if self.query_window is not None:  # baselines (issue 3)
+            want_queries(True)
+            if self._observe_pending:
+                self._observe_last_token()
+        if self.budget is not None and self.length - self._excess_slots >= self.budget + self.divide_length:
             self.compress()
 
     def _read_padding(self, attention_mask: torch.Tensor | None) -> None:
@@ -219,15 +252,19 @@ class CompressedCache(Cache):
         self.keys[layer_idx, :, :, start : start + q] = key_states
         self.values[layer_idx, :, :, start : start + q] = value_states
         end = start + q
+        if self.query_window is not None:  # baselines (issue 3)
+            self._record_queries(layer_idx, start, end)
         attention_kwargs = kwargs.get("kwargs")
         if attention_kwargs is not None:  # read by trikv_sdpa / trikv_eager
             attention_kwargs["trikv_active"] = True
             attention_kwargs["trikv_valid"] = self.positions[layer_idx, :, :, :end] >= 0 if self._has_dead_slots else None
+            # compaction (issue 5): per-entry log-biases, only once some entry carries one
+            attention_kwargs["trikv_bias"] = self.biases[layer_idx, :, :, :end] if self._has_bias else None
         return self.keys[layer_idx, :, :, :end], self.values[layer_idx, :, :, :end]
 
     def _begin_forward(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         b, h, q, d = key_states.shape
-        if self.budget is not None and self.length >= self.budget + self.divide_length:
+        if self.budget is not None and self.length - self._excess_slots >= self.budget + self.divide_length:
             raise RuntimeError(
                 "a compression round is due but the trikv pre-hook did not run; "
                 "use the cache with the model it was created for"
@@ -242,13 +279,15 @@ class CompressedCache(Cache):
         positions = logical[None, :] - pads[:, None]  # [b, q]
         positions = positions.masked_fill(positions < 0, -1)
         self.positions[:, :, :, self.length : self.length + q] = positions[None, :, None, :]
+        if self.biases is not None:  # compaction (issue 5): new tokens carry no bias
+            self.biases[:, :, :, self.length : self.length + q] = 0
         if not self.decoding and q >= 1:
             self.prompt_length = self.seen + q
         self._write_at = self.length
         self.length += q
         self.seen += q
         self.peak_length = max(self.peak_length, self.length)
-        self._has_dead_slots = bool((self.positions[0, :, 0, : self.length] < 0).any())
+        self._has_dead_slots = self._dead_slots_after_append(q)  # any layer / head (speed, issue 6: no scan per decode step)
 
     def _pads(self, batch: int, device) -> torch.Tensor:
         if self.pad_lengths is None:
@@ -256,19 +295,24 @@ class CompressedCache(Cache):
         return self.pad_lengths.to(device)
 
     def _target_capacity(self) -> int:
-        return 256 if self.budget is None else self.budget + self.divide_length
+        return 256 if self.budget is None else self.budget + self.divide_length + self._excess_slots
 
     def _allocate(self, batch: int, dtype, device, capacity: int) -> None:
         L, h, d = self.shape.num_layers, self.shape.num_kv_heads, self.shape.head_dim
         self.keys = torch.zeros(L, batch, h, capacity, d, dtype=dtype, device=device)
         self.values = torch.zeros(L, batch, h, capacity, d, dtype=dtype, device=device)
         self.positions = torch.full((L, batch, h, capacity), -1, dtype=torch.long, device=device)
+        if self.policy.compacts:  # compaction (issue 5)
+            self.biases = torch.zeros(L, batch, h, capacity, dtype=torch.float32, device=device)
 
     def _grow(self, needed: int) -> None:
         """Resize the buffers (full attention doubles; a bounded cache grows only for long prompt chunks)."""
         capacity = max(needed, 2 * self.capacity) if self.budget is None else max(needed, self._target_capacity())
         keys, values, positions = self.keys, self.values, self.positions
+        biases = self.biases  # compaction (issue 5)
         self._allocate(keys.shape[1], keys.dtype, keys.device, capacity)
+        if biases is not None:
+            self.biases[:, :, :, : self.length] = biases[:, :, :, : self.length]
         self.keys[:, :, :, : self.length] = keys[:, :, :, : self.length]
         self.values[:, :, :, : self.length] = values[:, :, :, : self.length]
         self.positions[:, :, :, : self.length] = positions[:, :, :, : self.length]
@@ -300,8 +344,9 @@ class CompressedCache(Cache):
         return protected
 
     def live_counts(self) -> torch.Tensor:
-        """[b] live entries per row (equal across layers and KV heads)."""
-        return (self.positions[0, :, 0, : self.length] >= 0).sum(-1)
+        """[b] live entries per row (mean over layers and KV heads: they differ only with variable budgets)."""
+        L, _, h = self.positions.shape[:3]
+        return (self.positions[:, :, :, : self.length] >= 0).sum(dim=(0, 2, 3)) // (L * h)
 
     @torch.no_grad()
     def compress(self) -> None:
@@ -317,7 +362,8 @@ class CompressedCache(Cache):
         positions = self.positions[:, :, :, :n]
         dead = positions < 0
         live = self.live_counts()  # [b]
-        due = live >= budget + self.divide_length  # [b]
+        base = torch.full_like(live, budget) if self._round_base is None else self._round_base  # baselines (issue 3)
+        due = live - base >= self.divide_length  # [b]
         if not bool(due.any()):
             return
         row_due = due[None, :, None, None]
@@ -329,24 +375,47 @@ class CompressedCache(Cache):
             candidates=~(dead | protected) & row_due,
             current_position=self.current_positions(),
             budget=budget,
+            queries=None if self.query_window is None else self.query_window.queries,
+            query_positions=None if self.query_window is None else self.query_window.positions,
+            protected=protected,
+            biases=None if self.biases is None else self.biases[:, :, :, :n],  # compaction (issue 5)
+            tokens=self._position_tokens(),  # compaction (issue 5)
         )
         scores = self.policy.score(context).float()  # [L, b, Hkv, N]
         scores = scores.masked_fill(protected, float("inf")).masked_fill(dead, float("-inf"))
+        counts = self.policy.allocate(scores, context) if self.policy.variable_budgets else None
         chosen = torch.zeros_like(dead)
-        chosen.scatter_(-1, scores.topk(budget, dim=-1, sorted=False).indices, True)
+        if counts is None:
+            chosen.scatter_(-1, scores.topk(budget, dim=-1, sorted=False).indices, True)
+        else:  # baselines (issue 3): per-(layer, row, head) budgets (PyramidKV, Ada-KV)
+            chosen = _top_counts(scores, counts)
         keep = torch.where(row_due, chosen & ~dead, ~dead)  # rows not due keep all live entries
         new_length = int(torch.where(due, torch.full_like(live, budget), live).max())
         # top new_length of "keep" picks exactly the kept entries plus dead fillers; sorted = original order
+        if counts is not None:  # the fullest (layer, head) sets the physical length; the others hold dead slots
+            new_length = int(keep.sum(-1).max())
         order = keep.float().topk(new_length, dim=-1, sorted=False).indices.sort(dim=-1).values  # [L, b, Hkv, P']
+        self.policy.after_round(order)  # per-slot policy state follows the kept slots
+        L, _, h = keep.shape[:3]
+        live_after = keep.sum(dim=(0, 2, 3)) // (L * h)  # [b] mean live entries per (layer, head)
+        self._round_base = torch.where(due, live_after, base)
+        until_due = self._round_base + self.divide_length - live_after  # [b] tokens before each row is due
+        self._excess_slots = new_length + int(until_due.min()) - (budget + self.divide_length)
         kept_positions = positions.gather(3, order).masked_fill(~keep.gather(3, order), -1)
         gather_index = order[..., None].expand(*order.shape, keys.shape[-1])
-        kept_keys = keys.gather(3, gather_index)
-        kept_values = values.gather(3, gather_index)
-        if self.capacity > budget + self.divide_length:  # shrink once after a long prompt
-            self._allocate(keys.shape[1], keys.dtype, keys.device, budget + self.divide_length)
+        kept_keys = gather_slots(self.keys, order)  # speed (issue 6): row copies, not an expanded-index gather
+        kept_values = gather_slots(self.values, order)
+        if self.biases is not None:  # compaction (issue 5): the policy may rewrite kept values and biases
+            kept_values, kept_biases = self._compact(context, keep, order, gather_index, kept_values)
+        if self.capacity != self._target_capacity():  # shrink once after a long prompt (or follow variable budgets)
+            self._allocate(keys.shape[1], keys.dtype, keys.device, self._target_capacity())
         self.keys[:, :, :, :new_length] = kept_keys
         self.values[:, :, :, :new_length] = kept_values
         self.positions[:, :, :, :new_length] = kept_positions
+        if self.biases is not None:  # compaction (issue 5)
+            self.biases[:, :, :, :new_length] = kept_biases
+            self.biases[:, :, :, new_length:] = 0
+            self._has_bias = bool(kept_biases.ne(0).any())
         self.length = new_length
         self.rounds += 1
         self.scoring_seconds += time.perf_counter() - started
@@ -367,8 +436,17 @@ class CompressedCache(Cache):
         self.keys = self.keys.index_select(1, index)
         self.values = self.values.index_select(1, index)
         self.positions = self.positions.index_select(1, index)
+        if self.biases is not None:  # compaction (issue 5)
+            self.biases = self.biases.index_select(1, index)
+        if self.tokens is not None:
+            self.tokens = self.tokens.index_select(0, index.to(self.tokens.device))
         if self.pad_lengths is not None:
             self.pad_lengths = self.pad_lengths.to(index.device).index_select(0, index)
+        if self.query_window is not None:  # baselines (issue 3)
+            self.query_window.select_rows(index)
+        self.policy.select_rows(index)
+        if self._round_base is not None:
+            self._round_base = self._round_base.to(index.device).index_select(0, index)
 
     def reorder_cache(self, beam_idx: torch.LongTensor):
         self._select_rows(beam_idx)
@@ -386,6 +464,128 @@ class CompressedCache(Cache):
             f"entries={self.length}, seen={self.seen}, rounds={self.rounds})"
         )
 
+    # ---- baselines (issue 3): recent queries and per-step observation --------------------------------------
+    @torch.no_grad()
+    def _record_queries(self, layer_idx: int, start: int, end: int) -> None:
+        """Keep this forward's post-RoPE queries (the tap parked them) and let the policy observe prefill."""
+        query = take_query()
+        if query is None:
+            raise RuntimeError(
+                f"{self.policy.name} needs the model's queries but trikv's rotary tap saw none; "
+                "use the cache with the model it was created for"
+            )
+        q = end - start
+        new_positions = self.positions[layer_idx, :, 0, start:end]  # [b, q], the same in every head
+        self.query_window.record(layer_idx, query, new_positions, self.seen - q)
+        if not self.policy.observes:
+            return
+        if q == 1:
+            self._observe_pending = True  # observed for all layers at once before the next forward
+        elif self.policy.observe_prefill:
+            started = time.perf_counter()
+            self.policy.observe(
+                ObservationContext(
+                    layers=slice(layer_idx, layer_idx + 1),
+                    queries=query[None],
+                    query_positions=new_positions,
+                    keys=self.keys[layer_idx : layer_idx + 1, :, :, :end],
+                    values=self.values[layer_idx : layer_idx + 1, :, :, :end],
+                    positions=self.positions[:, :, :, :end],
+                )
+            )
+            self.observe_seconds += time.perf_counter() - started
+
+    @torch.no_grad()
+    def _observe_last_token(self) -> None:
+        started = time.perf_counter()
+        self._observe_pending = False
+        queries, query_positions = self.query_window.latest(1, self.seen)
+        n = self.length
+        self.policy.observe(
+            ObservationContext(
+                layers=slice(None),
+                queries=queries,
+                query_positions=query_positions,
+                keys=self.keys[:, :, :, :n],
+                values=self.values[:, :, :, :n],
+                positions=self.positions[:, :, :, :n],
+            )
+        )
+        self.observe_seconds += time.perf_counter() - started
+
+
+    # ---- compaction (issue 5): per-entry log-biases, token ids, the policy's compact hook ---------------
+    def record_tokens(self, input_ids: torch.Tensor | None, query_length: int) -> None:
+        """Remember the token ids of the forward about to run (logical indices seen .. seen + q)."""
+        if input_ids is None or input_ids.dim() != 2:
+            input_ids = None
+        b = input_ids.shape[0] if input_ids is not None else (self.batch_size if self.keys is not None else 1)
+        end = self.seen + query_length
+        if self.tokens is None or self.tokens.shape[0] != b or self.tokens.shape[1] < end:
+            grown = torch.full((b, max(end, 2 * (0 if self.tokens is None else self.tokens.shape[1]), 256)), -1, dtype=torch.long,
+                               device=input_ids.device if input_ids is not None else "cpu")
+            if self.tokens is not None and self.tokens.shape[0] == b:
+                grown[:, : self.seen] = self.tokens[:, : self.seen].to(grown.device)
+            self.tokens = grown
+        self.tokens[:, self.seen : end] = -1 if input_ids is None else input_ids.to(self.tokens.device)
+
+    def _position_tokens(self) -> torch.Tensor | None:
+        """[b, seen] token id at each RoPE position of every row (-1 past the row's length or unknown)."""
+        if self.tokens is None:
+            return None
+        b = self.tokens.shape[0]
+        pads = self._pads(b, self.tokens.device)
+        index = torch.arange(self.seen, device=self.tokens.device)[None, :] + pads[:, None]
+        inside = index < self.seen
+        return self.tokens.gather(1, index.clamp_max(max(self.seen - 1, 0))).masked_fill(~inside, -1)
+
+    def _compact(self, context, keep, order, gather_index, kept_values):
+        """Let a compacting policy rewrite the kept entries; returns (kept values, kept biases) in new-slot order."""
+        biases = self.biases[:, :, :, : keep.shape[-1]]
+        if self.policy.compacts:
+            started = time.perf_counter()
+            result = self.policy.compact(CompactionContext(scoring=context, keep=keep))
+            if result is not None and result.values is not None:
+                kept_values = result.values.to(kept_values.dtype).gather(3, gather_index)
+            if result is not None and result.biases is not None:
+                biases = result.biases.float()
+            self.compaction_seconds += time.perf_counter() - started
+        kept_biases = biases.gather(3, order).masked_fill(~keep.gather(3, order), 0.0)
+        return kept_values, kept_biases
+
+    # ---- speed (issue 6): dead-slot bookkeeping without a full scan (a host-device sync) per decode step ----
+    def _dead_slots_after_append(self, q: int) -> bool:
+        """Whether any stored slot is dead after appending q slots. Scans the positions only after a
+        structural change (a round, new buffers, row selection); plain appends add dead slots only while
+        a row's left padding is being written."""
+        state = (self.rounds, id(self.positions), self.length - q)
+        if getattr(self, "_dead_state", None) == state:
+            dead = self._has_dead_slots or self.seen - q < self._max_pad()
+        else:
+            dead = bool((self.positions[:, :, :, : self.length] < 0).any())
+        self._dead_state = (self.rounds, id(self.positions), self.length)
+        return dead
+
+    def _max_pad(self) -> int:
+        if self.pad_lengths is None:
+            return 0
+        if getattr(self, "_max_pad_of", None) is not self.pad_lengths:
+            self._max_pad_of, self._max_pad_value = self.pad_lengths, int(self.pad_lengths.max())
+        return self._max_pad_value
+
+
+def _top_counts(scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """[L, b, Hkv, N] bool: the counts[l, b, h] highest scores of every (layer, row, KV head)."""
+    k = min(int(counts.max()), scores.shape[-1])
+    top = scores.topk(k, dim=-1).indices  # descending
+    within = torch.arange(k, device=scores.device) < counts[..., None]
+    return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, top, within)
+
+
+def _post_forward_hook(module, args, kwargs, output):
+    want_queries(False)  # baselines (issue 3): stop parking queries outside trikv forwards
+    return None
+
 
 def _pre_forward_hook(module, args, kwargs):
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
@@ -396,6 +596,8 @@ def _pre_forward_hook(module, args, kwargs):
         if tokens is None and args:
             tokens = args[0]
         cache.before_forward(tokens.shape[1], kwargs.get("attention_mask"))
+        if cache.policy.needs_tokens:  # compaction (issue 5): TAM segments on token ids
+            cache.record_tokens(kwargs.get("input_ids"), tokens.shape[1])
     return None
 
 
@@ -403,6 +605,9 @@ def attach(model: torch.nn.Module) -> None:
     """Install (once per model) the decoder pre-hook that lets trikv caches compress before masks are built."""
     use_trikv_attention(model)
     base = decoder(model)
+    if not getattr(base, "_trikv_query_hooked", False):  # baselines (issue 3)
+        base.register_forward_hook(_post_forward_hook, with_kwargs=True)
+        base._trikv_query_hooked = True
     if not getattr(base, "_trikv_hooked", False):
         base.register_forward_pre_hook(_pre_forward_hook, with_kwargs=True)
         base._trikv_hooked = True

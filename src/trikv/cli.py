@@ -145,6 +145,15 @@ def cmd_methods(args) -> int:
     return 0
 
 
+# ---- analyze (issue 4) -------------------------------------------------------------------------------
+def _add_analyze(sub) -> None:
+    from .analysis.cli import add_analyze_arguments, analyze_main
+
+    p = sub.add_parser("analyze", help="Q/K concentration and distance preferences of a model: JSON, plots, report")
+    add_analyze_arguments(p)
+    p.set_defaults(func=analyze_main)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="trikv", description="Bounded KV caches for long reasoning (TriAttention and baselines)")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -152,6 +161,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     _add_demo(sub)
     _add_methods(sub)
+    _add_analyze(sub)
+    # `trikv bench ...`: a subcommand group that benchmark modules extend (see trikv/benchmarks/__init__.py)
+    from .benchmarks import add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 

@@ -82,6 +82,12 @@ class QueryWindow:
         if self.queries is None or self.queries.shape[1] != b:
             self.queries = query.new_zeros(self.num_layers, b, heads, self.size, d)
             self.positions = torch.full((b, self.size), -1, dtype=torch.long, device=query.device)
+        if q == 1:  # decoding: one slot, plain copies
+            slot = first_index % self.size
+            self.queries[layer, :, :, slot] = query[:, :, 0]
+            if layer == 0:
+                self.positions[:, slot] = positions[:, 0]
+            return
         keep = min(q, self.size)
         slots = torch.arange(first_index + q - keep, first_index + q, device=query.device) % self.size
         self.queries[layer].index_copy_(2, slots, query[:, :, q - keep :])

@@ -20,6 +20,7 @@ def add_analyze_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     parser.add_argument("--max-tokens", type=int, default=4096, help="tokens used from each text (default 4096)")
     parser.add_argument("--chunk-tokens", type=int, default=2048, help="tokens per forward pass; distances reach half of this (default 2048)")
     parser.add_argument("--distances", type=int, default=32, help="number of log-spaced Q-K distances (default 32)")
+    parser.add_argument("--query-samples", type=int, default=128, help="single queries per text for the per-query reconstruction r (default 128)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="model dtype (default float32)")
     parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
@@ -64,6 +65,7 @@ def analyze_main(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
         chunk_tokens=args.chunk_tokens,
         num_distances=args.distances,
+        query_samples=args.query_samples,
         model_name=args.model,
         command=command,
     )

@@ -2,8 +2,10 @@
 attention logit at a set of Q-K distances.
 
 Nothing of a long text is kept: each chunk's q/k update float64 running sums and are dropped. For every
-distance d in the set, the real logit sum is  sum_t scale * q_post(t) . k_post(t - d)  over the chunk,
-computed as one batched dot product per distance (vectorised over heads and positions).
+distance d in the set, the real logit sum is  sum_t scale * q_post(t) . k_post(t - d)  over the chunk;
+all lags come at once from one zero-padded FFT cross-correlation per chunk (vectorised over heads and
+dimensions, O(n log n) instead of one pass per distance). Optionally a bounded number of single queries per
+chunk keep their whole logit-vs-distance curve, for the harder per-query reconstruction figure.
 """
 
 from __future__ import annotations
@@ -36,12 +38,13 @@ class TextStats:
     real_logits: torch.Tensor  # [L, Hq, nd] mean scaled q_post.k_post at each distance (nan: not measured)
     pair_counts: torch.Tensor  # [L, nd] number of (t, t-d) pairs averaged
     tokens: int
+    query_logits: torch.Tensor | None = None  # [L, Hq, nq, nd] logits of sampled single queries (nan: d > t)
 
 
 class TextAccumulator:
     """Running float64 sums for one text; feed it with `add` (the `capture_qk` callback signature)."""
 
-    def __init__(self, shape: AnalysisShape, distances: torch.Tensor):
+    def __init__(self, shape: AnalysisShape, distances: torch.Tensor, query_quota: int = 0):
         L, H, Hkv, F = shape.num_layers, shape.num_heads, shape.num_kv_heads, shape.num_bands
         self.shape = shape
         self.distances = distances.to(torch.long)
@@ -53,6 +56,8 @@ class TextAccumulator:
         self.vector_count = torch.zeros(L, dtype=torch.float64)
         self.logit_sum = torch.zeros(L, H, nd, dtype=torch.float64)
         self.pair_count = torch.zeros(L, nd, dtype=torch.float64)
+        self.query_quota = int(query_quota)  # single queries kept per chunk (batch row 0)
+        self.query_logits: list[list[torch.Tensor]] = [[] for _ in range(L)]
 
     @torch.no_grad()
     def add(self, layer: int, q_pre: torch.Tensor, k_pre: torch.Tensor, q_post: torch.Tensor, k_post: torch.Tensor) -> None:
@@ -64,18 +69,31 @@ class TextAccumulator:
         self.k_sum[layer] += k_bands.sum(dim=(0, 2))
         self.k_abs_sum[layer] += k_bands.abs().sum(dim=(0, 2))
         b, H, n, D = q_post.shape
-        Hkv = k_post.shape[1]
         self.vector_count[layer] += b * n
-        q = q_post.detach().double().cpu().reshape(b, Hkv, H // Hkv, n, D)
+        q = q_post.detach().double().cpu()
         k = k_post.detach().double().cpu()
         scale = self.shape.scaling[layer]
-        for j, d in enumerate(self.distances.tolist()):
-            if d >= n:
-                break  # distances are sorted
-            # sum over t in [d, n) of q(t) . k(t - d), per query head
-            dots = torch.einsum("bkgtd,bktd->kg", q[:, :, :, d:, :], k[:, :, : n - d, :])
-            self.logit_sum[layer, :, j] += scale * dots.reshape(H)
-            self.pair_count[layer, j] += b * (n - d)
+        # sum_t q(t) . k(t - d) for every lag d at once: cross-correlation along t via zero-padded FFTs
+        lags = lag_dot_sums(q, k)  # [H, n]
+        use = self.distances < n
+        self.logit_sum[layer][:, use] += scale * lags[:, self.distances[use]]
+        self.pair_count[layer][use] += b * (n - self.distances[use]).double()
+        if self.query_quota:
+            self._sample_queries(layer, q, k, scale)
+
+    def _sample_queries(self, layer: int, q: torch.Tensor, k: torch.Tensor, scale: float) -> None:
+        """Keep the logit of a few single queries at every distance (bounded: `query_quota` per chunk)."""
+        b, H, n, D = q.shape
+        Hkv = k.shape[1]
+        d_max = int(self.distances.max())
+        first = min(d_max, n - 1)
+        positions = torch.unique(torch.linspace(first, n - 1, steps=min(self.query_quota, n - first)).round().long())
+        keys = positions[:, None] - self.distances[None, :]  # [nt, nd]
+        valid = keys >= 0
+        gathered = k[0][:, keys.clamp_min(0)]  # [Hkv, nt, nd, D]
+        logits = torch.einsum("kgtd,ktjd->kgtj", q[0][:, positions].reshape(Hkv, H // Hkv, -1, D), gathered)
+        logits = (scale * logits).reshape(H, -1, keys.shape[1]).masked_fill(~valid, float("nan"))
+        self.query_logits[layer].append(logits)  # [H, nt, nd]
 
     def finish(self) -> TextStats:
         count = self.vector_count.clamp_min(1)[:, None, None]
@@ -90,7 +108,19 @@ class TextAccumulator:
             real_logits=real,
             pair_counts=self.pair_count.clone(),
             tokens=int(self.vector_count.max().item()),
+            query_logits=torch.stack([torch.cat(rows, dim=1) for rows in self.query_logits]) if all(self.query_logits) else None,
         )
+
+
+def lag_dot_sums(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """q [b, H, n, D], k [b, Hkv, n, D] -> [H, n]: entry (h, d) = sum_b sum_{t>=d} q_h(t) . k_{h//G}(t - d)."""
+    b, H, n, D = q.shape
+    Hkv = k.shape[1]
+    size = 1 << (2 * n - 1).bit_length()  # zero padding >= 2n - 1 makes the circular correlation linear
+    qf = torch.fft.rfft(q.transpose(-1, -2), n=size)  # [b, H, D, f]
+    kf = torch.fft.rfft(k.transpose(-1, -2), n=size)  # [b, Hkv, D, f]
+    spectrum = torch.einsum("bkgdf,bkdf->kgf", qf.reshape(b, Hkv, H // Hkv, D, -1), kf.conj())
+    return torch.fft.irfft(spectrum, n=size)[..., :n].reshape(H, n)
 
 
 def make_chunks(token_ids: list[int], chunk_tokens: int, bos_token_id: int | None) -> list[torch.Tensor]:
@@ -111,12 +141,18 @@ def make_chunks(token_ids: list[int], chunk_tokens: int, bos_token_id: int | Non
 
 
 @torch.no_grad()
-def measure_chunks(model, shape: AnalysisShape, chunks: list[torch.Tensor], distances: torch.Tensor, bar=None) -> TextStats:
-    """Run `chunks` (independent forwards) through the model and return the text's statistics."""
-    accumulator = TextAccumulator(shape, distances)
+def measure_chunks(model, shape: AnalysisShape, chunks: list[torch.Tensor], distances: torch.Tensor, bar=None, query_samples: int = 0) -> TextStats:
+    """Run `chunks` (independent forwards) through the model and return the text's statistics;
+    `query_samples` single queries (spread over the chunks) also keep their own logit curves."""
+    # single queries come from chunks long enough to see every distance (all chunks if none is)
+    longest = int(distances.max())
+    hosts = [i for i, c in enumerate(chunks) if c.numel() > longest] or list(range(len(chunks)))
+    quota = -(-query_samples // len(hosts)) if query_samples else 0
+    accumulator = TextAccumulator(shape, distances, quota)
     device = next(model.parameters()).device
     with capture_qk(model, accumulator.add):
-        for chunk in chunks:
+        for i, chunk in enumerate(chunks):
+            accumulator.query_quota = quota if i in hosts else 0
             model(input_ids=chunk[None].to(device), use_cache=False)
             if bar is not None:
                 bar.update(int(chunk.numel()))

@@ -31,7 +31,7 @@ def concentration_heatmap(result: dict, out_dir: Path) -> str:
     ref = result["texts"][result["reference_text"]]["concentration"]
     panels = [("Q, plain mean over bands", ref["q_head_R_plain"]), ("Q, weighted by C_f", ref["q_head_R_weighted"]), ("K (per KV head), weighted", ref["k_head_R_weighted"])]
     L = len(ref["q_head_R_plain"])
-    fig, axes = plt.subplots(1, 3, figsize=(13, max(3.5, 0.22 * L + 1.5)), gridspec_kw={"width_ratios": [3, 3, 1.4]})
+    fig, axes = plt.subplots(1, 3, figsize=(13, max(3.5, 0.22 * L + 1.5)), gridspec_kw={"width_ratios": [3, 3, 1.4]}, layout="constrained")
     for ax, (title, values) in zip(axes, panels):
         image = ax.imshow(_arr(values), aspect="auto", vmin=0, vmax=1, cmap="viridis", interpolation="nearest")
         ax.set_title(title, fontsize=10)
@@ -101,8 +101,8 @@ def scatter_pre_post(result: dict, out_dir: Path) -> str:
     """Figure 2A/2B: q and k of one head in its dominant bands, pre-RoPE (clusters) and post-RoPE (arcs)."""
     plt = _plt()
     head = result["head"]
-    bands = head["bands"]
-    fig, axes = plt.subplots(len(bands), 2, figsize=(10, 4.6 * len(bands)), squeeze=False)
+    bands = list(head["bands"]) + ([head["contrast_band"]] if head.get("contrast_band") is not None else [])
+    fig, axes = plt.subplots(len(bands), 2, figsize=(10, 4.4 * len(bands)), squeeze=False)
     for row, band in enumerate(bands):
         for col, stage in enumerate(("pre", "post")):
             ax = axes[row][col]
@@ -118,10 +118,12 @@ def scatter_pre_post(result: dict, out_dir: Path) -> str:
             ax.set_xlabel("Re")
             ax.set_ylabel("Im")
             which = "pre-RoPE (A)" if stage == "pre" else "post-RoPE (B)"
-            ax.set_title(f"{which}, band {band}", fontsize=10)
+            kind = f"dominant band {band}" if row < len(head["bands"]) else f"band {band} (fast, for contrast)"
+            ax.set_title(f"{which}, {kind}", fontsize=10)
             if row == 0 and col == 0:
                 ax.legend(fontsize=7, markerscale=1.5)
-    fig.suptitle(f"layer {head['layer']} head {head['head']} (KV head {head['kv_head']}): Q (o) and K (x) in the dominant bands")
+    fig.suptitle(f"layer {head['layer']} head {head['head']} (KV head {head['kv_head']}): Q (o) and K (x), "
+                 f"{len(next(iter(head['scatter'].values()))['positions'])} positions per text")
     fig.tight_layout()
     name = "scatter_pre_post.png"
     fig.savefig(out_dir / name, dpi=110)
@@ -136,7 +138,11 @@ def reconstruction_histogram(result: dict, out_dir: Path) -> str:
     for i, (text, data) in enumerate(result["texts"].items()):
         r = _arr(data["reconstruction"]["pearson_r"]).ravel()
         r = r[np.isfinite(r)]
-        ax.hist(r, bins=bins, histtype="step", linewidth=1.6, color=COLORS[i % len(COLORS)], label=f"{text} (mean r {r.mean():.2f})")
+        ax.hist(r, bins=bins, histtype="step", linewidth=1.6, color=COLORS[i % len(COLORS)], label=f"{text}: mean logit (mean r {r.mean():.2f})")
+        if data["reconstruction"].get("per_query_r") is not None:
+            pq = _arr(data["reconstruction"]["per_query_r"]).ravel()
+            pq = pq[np.isfinite(pq)]
+            ax.hist(pq, bins=bins, histtype="step", linestyle="--", linewidth=1.2, color=COLORS[i % len(COLORS)], label=f"{text}: single queries (mean r {pq.mean():.2f})")
     ax.axvspan(0.6, 0.9, color="grey", alpha=0.12, label="paper: mass at 0.6-0.9")
     ax.axvline(0.5, color="grey", linestyle=":", linewidth=1)
     ax.set_xlabel("Pearson r (predicted vs real mean logit over log-spaced distances)")

@@ -61,6 +61,16 @@ def _text_result(shape: AnalysisShape, stats: TextStats, distances: torch.Tensor
     predicted = predicted_for_model(stats.q_mean, stats.k_mean, shape, distances)
     valid = distance_mask(shape, distances, stats.pair_counts)  # [L, nd]
     r = pearson(predicted, stats.real_logits, valid[:, None, :])
+    reconstruction_extra = {}
+    if stats.query_logits is not None:
+        # the harder figure: each sampled single query's own logit curve against the prediction, r averaged over queries
+        per_query = pearson(predicted[:, :, None, :], stats.query_logits, valid[:, None, None, :])  # [L, H, nq]
+        per_query_r = torch.nanmean(per_query, dim=-1)
+        reconstruction_extra = {
+            "per_query_summary": correlation_summary(per_query_r),
+            "per_query_r": per_query_r,
+            "queries_per_head": int(stats.query_logits.shape[2]),
+        }
     result = {
         "tokens": stats.tokens,
         "concentration": {
@@ -80,6 +90,7 @@ def _text_result(shape: AnalysisShape, stats: TextStats, distances: torch.Tensor
             "real": stats.real_logits,
             "valid": valid,
             "pair_counts": stats.pair_counts,
+            **reconstruction_extra,
         },
     }
     return result, figures, r
@@ -143,8 +154,9 @@ def run_analysis(
     progress: bool = True,
     chunk_tokens: int = 2048,
     num_distances: int = 32,
-    scatter_tokens: int = 512,
+    scatter_tokens: int = 1024,
     scatter_points: int = 256,
+    query_samples: int = 128,
     model_name: str | None = None,
     plots: bool = True,
     command: str | None = None,
@@ -154,7 +166,8 @@ def run_analysis(
     Each text (its first `max_tokens` tokens) streams through the model in independent chunks of
     `chunk_tokens`; per (layer, head, band) centres and concentration, per head the real mean logit at
     log-spaced distances up to half a chunk and its reconstruction from the centres, and agreement between
-    texts. Writes `analysis.json`, PNG plots and `report.md` into `out_dir`; returns the JSON dict.
+    texts; `query_samples` single queries per text also give a per-query reconstruction r. Writes
+    `analysis.json`, PNG plots and `report.md` into `out_dir`; returns the JSON dict.
     """
     from tqdm.auto import tqdm
 
@@ -185,7 +198,7 @@ def run_analysis(
         for name, chunks in chunks_by_text.items():
             bar.set_postfix_str(name)
             t0 = time.perf_counter()
-            stats[name] = measure_chunks(model, shape, chunks, distances, bar)
+            stats[name] = measure_chunks(model, shape, chunks, distances, bar, query_samples)
             text_meta[name]["wall_s"] = time.perf_counter() - t0
 
     result_texts, figures, rs = {}, {}, {}
@@ -202,8 +215,15 @@ def run_analysis(
             raise ValueError(f"head {chosen} out of range: {shape.num_layers} layers x {shape.num_heads} heads")
         why = "chosen by the user"
     bands = [int(b) for b in figures[reference]["top_bands"][layer, h]]
+    # for contrast, the strongest band that turns at least once over the sampled positions (shows RoPE's arcs)
+    span = min(scatter_tokens, max(int(c[0].numel()) for c in chunks_by_text.values())) - 1
+    turning = (shape.geometries[layer].omega * span >= 2 * math.pi).nonzero().flatten().tolist()
+    turning = [f for f in turning if f not in bands]
+    contribution = figures[reference]["contribution"][layer, h]
+    contrast = max(turning, key=lambda f: float(contribution[f])) if turning else None
+    sample_bands = bands + ([contrast] if contrast is not None else [])
     scatter = {
-        name: sample_head_vectors(model, shape, chunks[0][:scatter_tokens], layer, h, bands, scatter_points)
+        name: sample_head_vectors(model, shape, chunks[0][:scatter_tokens], layer, h, sample_bands, scatter_points)
         for name, chunks in chunks_by_text.items()
     }
 
@@ -244,7 +264,7 @@ def run_analysis(
         },
         "reference_text": reference,
         "texts": result_texts,
-        "head": {"layer": layer, "head": h, "kv_head": h // shape.group_size, "bands": bands, "why": why, "scatter": scatter},
+        "head": {"layer": layer, "head": h, "kv_head": h // shape.group_size, "bands": bands, "contrast_band": contrast, "why": why, "scatter": scatter},
         "examples": _examples(rs[reference], (layer, h)),
         "stability": {"pairs": pairs},
     }

@@ -23,6 +23,8 @@ from .streaming import StreamingLLM
 from .tova import TOVA
 from .triattention import TriAttention
 from .vatp import VATP
+from .tam import PAM, TAM, SelectorWindow  # compaction (issue 5)
+from .hybrid import TriAttentionAM  # compaction (issue 5)
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,7 @@ register("triattention-unweighted-norm", TriAttention, "ablation: norm term A_f|
 register("triattention-linear-offsets", TriAttention, "ablation: 17 linearly spaced offsets 1..65536", offset_spacing="linear")
 register("triattention-max-offsets", TriAttention, "ablation: max over offsets instead of the mean", offset_aggregation="max")
 register("triattention-shared-layers", TriAttention, "reference-harness mode: one selection per KV head shared by all layers", shared_across_layers=True)
+register("triattention-union", TriAttention, "reference global mode: union of every head's top-B, one token set for all layers and heads", union_selection=True)
 register("streaming", StreamingLLM)
 # baselines (issue 3): decode-time versions on the same cache, budget, trigger and prompt protection
 register("h2o", H2O)
@@ -69,6 +72,15 @@ register("lazyeviction", LazyEviction)
 register("raas", RaaS)
 register("rpc", RPC)
 register("vatp", VATP)
+# compaction (issue 5): attention matching changes values and per-key biases, not only the selection
+register("tam", TAM)
+register("tam-alloc-only", TAM, "TAM ablation: segments and sqrt(w n) allocation, no pivots", pivot_multiplier=0.0)
+register("tam-pivots-only", TAM, "TAM ablation: pivots, one segment (PAM + pivots)", segmentation="none")
+register("tam-omp", TAM, "TAM with OMP key selection on the mass (global, after the pivots)", selection="omp")
+register("pam", PAM)
+register("selector-window", SelectorWindow)
+register("tri-am", TriAttentionAM)
+register("tri-am-recent", TriAttentionAM, "hybrid, reference queries also include the last 64 post-RoPE queries", recent_queries=64)
 
 
 def make_policy(name: str, **options) -> Policy:
@@ -120,4 +132,8 @@ __all__ = [
     "RaaS",
     "RPC",
     "VATP",
+    "TAM",
+    "PAM",
+    "SelectorWindow",
+    "TriAttentionAM",
 ]

@@ -67,6 +67,7 @@ class AdaKV(SnapKV):
     floor: float = 0.2
 
     variable_budgets = True
+    rank_heads_jointly = True  # the heads of a layer compete on the same scale
 
     def __post_init__(self):
         super().__post_init__()

@@ -97,12 +97,23 @@ def window_probabilities(
         yield layers, probs
 
 
-def pool1d(scores: torch.Tensor, kernel_size: int, mode: str = "max") -> torch.Tensor:
-    """Smooth scores [..., N] over neighbouring slots (stride 1, same length), as SnapKV / R-KV / RPC do."""
+def pool1d(scores: torch.Tensor, kernel_size: int, mode: str = "max", positions: torch.Tensor | None = None) -> torch.Tensor:
+    """Smooth scores [..., N] over neighbouring tokens (stride 1, same length), as SnapKV / R-KV / RPC do.
+
+    With `positions` [..., N] the neighbours are the live entries (position >= 0) in position order, so dead
+    slots that variable budgets or batch schedules leave in the buffer never sit between two tokens; dead
+    entries act like the zero padding at the ends. Without it, neighbours are physical slots.
+    """
     if kernel_size <= 1:
         return scores
     if kernel_size % 2 == 0:
         raise ValueError(f"pooling kernel must be odd, got {kernel_size}")
+    if positions is not None:
+        live = positions >= 0
+        order = torch.where(live, positions, positions.new_full((), torch.iinfo(positions.dtype).max)).argsort(-1)
+        ordered = scores.gather(-1, order).masked_fill(~live.gather(-1, order), 0.0)
+        pooled = pool1d(ordered, kernel_size, mode)
+        return torch.empty_like(pooled).scatter_(-1, order, pooled)
     shape = scores.shape
     flat = scores.reshape(-1, 1, shape[-1])
     if mode == "max":
@@ -121,8 +132,38 @@ def query_chunks(num_queries: int, elements_per_query: int, limit: int = MAX_ELE
         yield slice(start, min(num_queries, start + step))
 
 
+def tie_broken_ranks(scores: torch.Tensor, positions: torch.Tensor, joint_dims: int = 1) -> torch.Tensor:
+    """Ranks (float, 0 = lowest) over the last `joint_dims` axes; equal scores rank the newer token higher.
+
+    Pooled attention has plateaus and far keys get exactly zero probability, so ties are common; ranking
+    them by position makes the selection independent of the physical slot layout (dead slots, batch
+    schedules) and of top-k's tie order. Exact in fp32 below 2^24 entries.
+    """
+    shape = scores.shape
+    flat_scores, flat_positions = scores.flatten(-joint_dims), positions.flatten(-joint_dims)
+    order = flat_positions.argsort(dim=-1, stable=True)
+    order = order.gather(-1, flat_scores.gather(-1, order).argsort(dim=-1, stable=True))
+    ranks = torch.empty_like(order)
+    ranks.scatter_(-1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order))
+    return ranks.float().view(shape)
+
+
 class QueryAttentionPolicy(Policy):
-    """Base of the baselines that score with the attention of recent queries (declare `query_window`)."""
+    """Base of the baselines that score with the attention of recent queries (declare `query_window`).
+
+    Subclasses implement `importance(context)` (the method's own score); `score` returns its ranks with
+    ties broken towards the newer token, over each (layer, row, KV head), or over the whole layer when
+    `rank_heads_jointly` (scores compared across heads, Ada-KV).
+    """
+
+    rank_heads_jointly = False
+
+    def importance(self, context) -> torch.Tensor:
+        raise NotImplementedError
+
+    def score(self, context) -> torch.Tensor:
+        raw = self.importance(context).float()
+        return tie_broken_ranks(raw, context.positions, 2 if self.rank_heads_jointly else 1)
 
     def bind(self, model: torch.nn.Module, shape: ModelShape) -> None:
         self.shape = shape

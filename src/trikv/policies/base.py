@@ -29,6 +29,10 @@ class ScoringContext:
     queries: torch.Tensor | None = None  # [L, b, Hq, w, D]
     query_positions: torch.Tensor | None = None  # [b, w] long
     protected: torch.Tensor | None = None  # [L, b, Hkv, N] bool: entries the cache keeps whatever the score
+    # compaction (issue 5): per-entry log-biases added to the attention logits (None while all are zero) and,
+    # for policies with `needs_tokens`, the token id at each RoPE position of every row (-1 = unknown)
+    biases: torch.Tensor | None = None  # [L, b, Hkv, N] float32
+    tokens: torch.Tensor | None = None  # [b, T] long
 
 
 @dataclass
@@ -95,3 +99,30 @@ class Policy:
 
     def reset(self) -> None:
         """Forget per-sequence state (the cache was reset)."""
+
+    # ---- compaction (issue 5): policies that also rewrite the kept entries' values and biases ----
+    compacts: ClassVar[bool] = False  # the cache calls `compact` after the selection of every round
+    needs_tokens: ClassVar[bool] = False  # the cache records token ids (ScoringContext.tokens)
+
+    def compact(self, context: "CompactionContext") -> "Compaction | None":
+        """New values and log-biases for the entries a round keeps (only called when `compacts`)."""
+        return None
+
+
+@dataclass
+class CompactionContext:
+    """What `Policy.compact` sees: the round's scoring context and the old slots that survive it."""
+
+    scoring: ScoringContext
+    keep: torch.Tensor  # [L, b, Hkv, N] bool: old slots kept by the round (live entries only)
+
+
+@dataclass
+class Compaction:
+    """A compaction result indexed by *old* slot; the cache reads it at the kept slots only.
+
+    Keys are never rewritten (compact keys are a subset of the originals, with their true positions).
+    """
+
+    values: torch.Tensor | None = None  # [L, b, Hkv, N, D] (None: values unchanged)
+    biases: torch.Tensor | None = None  # [L, b, Hkv, N] float32 log-biases (None: biases unchanged)

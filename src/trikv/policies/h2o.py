@@ -71,7 +71,7 @@ class H2O(QueryAttentionPolicy):
             ):
                 accumulated[layers] += probs.sum(3)
 
-    def score(self, context: ScoringContext) -> torch.Tensor:
+    def importance(self, context: ScoringContext) -> torch.Tensor:
         self._cover(context.positions)
         return self.state["attention"].clone()
 

@@ -80,7 +80,7 @@ class LazyEviction(QueryAttentionPolicy):
                 interval[layers] = torch.where(hit, torch.maximum(interval[layers], gap), interval[layers])
                 last[layers] = torch.where(hit, t.expand_as(gap), last[layers])
 
-    def score(self, context: ScoringContext) -> torch.Tensor:
+    def importance(self, context: ScoringContext) -> torch.Tensor:
         self._cover(context.positions)
         t = (context.current_position - 1).float()[None, :, None, None]
         return recurrence_importance(t, self.state["last"], self.state["interval"])

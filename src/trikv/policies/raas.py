@@ -57,13 +57,9 @@ class RaaS(QueryAttentionPolicy):
                 hit = probs[:, :, :, :, 0].amax(3) >= self.alpha
                 stamp[layers] = torch.where(hit, t.expand_as(stamp[layers]), stamp[layers])
 
-    def score(self, context: ScoringContext) -> torch.Tensor:
+    def importance(self, context: ScoringContext) -> torch.Tensor:
         self._cover(context.positions)
-        stamp = self.state["stamp"].long()
-        scale = int(context.positions.max().item()) + 2
-        order_key = stamp * scale + context.positions.clamp_min(-1) + 1  # timestamp first, then position
-        rank = order_key.argsort(-1).argsort(-1)  # 0 = least recently used
-        return rank.float()
+        return self.state["stamp"].clone()  # `score` ranks it; equal stamps: the older token goes first
 
     def after_round(self, order: torch.Tensor) -> None:
         self.state.follow(order)

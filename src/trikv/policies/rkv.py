@@ -82,7 +82,7 @@ class RKV(QueryAttentionPolicy):
     def recent_window(self) -> int:
         return self.window_size
 
-    def score(self, context: ScoringContext) -> torch.Tensor:
+    def importance(self, context: ScoringContext) -> torch.Tensor:
         self._require_queries(context)
         importance = window_importance(context, self.scaling, self.window_size, self.kernel_size, "max", "max_logit", "non_window")
         redundant = redundancy(context.keys, context.positions, self.similarity_threshold)

@@ -52,7 +52,7 @@ class RPC(QueryAttentionPolicy):
     def configure(self, budget: int | None, divide_length: int) -> int:
         return self._scheduled(divide_length, self.interval)
 
-    def score(self, context: ScoringContext) -> torch.Tensor:
+    def importance(self, context: ScoringContext) -> torch.Tensor:
         self._require_queries(context)
         L, b, Hkv, N = context.positions.shape
         region = context.candidates
@@ -65,4 +65,4 @@ class RPC(QueryAttentionPolicy):
                 scores[layers] = summed.mean(dim=(2, 3))[:, :, None, :]
             else:
                 scores[layers] = summed.mean(3)
-        return pool1d(scores, self.kernel_size, self.pooling)
+        return pool1d(scores, self.kernel_size, self.pooling, context.positions)

@@ -42,7 +42,7 @@ def window_importance(
         context.queries, context.query_positions, context.keys, positions, scaling, key_mask, GROUP_RULES[group_aggregation]
     ):
         importance[layers] = probs.sum(3) / queries_seen[None, :, None, None]  # mean over the window queries
-    return pool1d(importance, kernel_size, pooling)
+    return pool1d(importance, kernel_size, pooling, positions)
 
 
 @dataclass
@@ -80,7 +80,7 @@ class SnapKV(QueryAttentionPolicy):
     def recent_window(self) -> int:
         return self.window_size
 
-    def score(self, context: ScoringContext) -> torch.Tensor:
+    def importance(self, context: ScoringContext) -> torch.Tensor:
         self._require_queries(context)
         return window_importance(
             context, self.scaling, self.window_size, self.kernel_size, self.pooling, self.group_aggregation, self.softmax_scope

@@ -33,7 +33,7 @@ class TOVA(QueryAttentionPolicy):
     def configure(self, budget: int | None, divide_length: int) -> int:
         return self._scheduled(divide_length, 1)
 
-    def score(self, context: ScoringContext) -> torch.Tensor:
+    def importance(self, context: ScoringContext) -> torch.Tensor:
         self._require_queries(context)
         L, b, Hkv, N = context.positions.shape
         newest = context.query_positions.argmax(-1)  # [b] slot of the newest query

@@ -28,7 +28,9 @@ class TriAttention(Policy):
     Ablations: `use_trig=False` (norm only), `use_norm=False` (trig only), `weighted_norm=False`
     (A_f |k_f|), `offset_spacing="linear"`, `max_offset`, `offset_aggregation="max"`,
     `group_aggregation="mean"`, `shared_across_layers=True` (the reference harness's mode: one selection
-    per KV-head index, from the mean z-score over layers).
+    per KV-head index, from the mean z-score over layers), `union_selection=True` (the reference's global
+    mode: every query head nominates its top-B, and one token set, ranked by the max z-score over all heads
+    with nominated tokens first, is kept by every layer and head).
     """
 
     name = "triattention"
@@ -43,6 +45,7 @@ class TriAttention(Policy):
     group_aggregation: str = "max"
     normalize: bool = True
     shared_across_layers: bool = False
+    union_selection: bool = False
     recent_window: int = 0
 
     def bind(self, model: torch.nn.Module, shape: ModelShape) -> None:
@@ -69,6 +72,8 @@ class TriAttention(Policy):
         per_query_head = self.scorer.score(context.keys, context.current_position)  # [L, b, Hkv, G, N]
         if self.normalize:
             per_query_head = zscore(per_query_head, context.candidates[:, :, :, None, :])
+        if self.union_selection:
+            return self._union_scores(per_query_head, context)
         if self.group_aggregation == "max":
             scores = per_query_head.amax(3)
         else:
@@ -78,3 +83,16 @@ class TriAttention(Policy):
             # layers aligned by always sharing the selection (slots then match across layers).
             scores = scores.mean(0, keepdim=True).expand_as(scores)
         return scores
+
+    def _union_scores(self, per_query_head: torch.Tensor, context: ScoringContext) -> torch.Tensor:
+        L, b, Hkv, G, N = per_query_head.shape
+        masked = per_query_head.masked_fill(~context.candidates[:, :, :, None, :], float("-inf"))
+        by_row = masked.permute(1, 0, 2, 3, 4).reshape(b, L * Hkv * G, N)  # every head of a row
+        k = min(context.budget, N)
+        nominated = torch.zeros(b, L * Hkv * G, N, dtype=torch.bool, device=masked.device)
+        nominated.scatter_(-1, by_row.topk(k, dim=-1).indices, True)
+        combined = by_row.amax(1)  # [b, N]
+        in_union = nominated.any(1) & torch.isfinite(combined)
+        # nominated tokens first (ranked by combined score), the rest fill in by combined score
+        ranking = torch.where(in_union, combined + 1e6, combined)
+        return ranking[None, :, None, :].expand(L, b, Hkv, N)

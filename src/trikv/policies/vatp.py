@@ -27,8 +27,8 @@ class VATP(H2O):
     rule = "value L1 norm x accumulated attention (H2O) + 20 sink tokens + recent window"
     sink_tokens: int = 20
 
-    def score(self, context: ScoringContext) -> torch.Tensor:
-        accumulated = super().score(context)
+    def importance(self, context: ScoringContext) -> torch.Tensor:
+        accumulated = super().importance(context)
         value_norm = torch.linalg.vector_norm(context.values, ord=1, dim=-1, dtype=torch.float32)
         scores = accumulated * value_norm
         sinks = (context.positions >= 0) & (context.positions < self.sink_tokens)

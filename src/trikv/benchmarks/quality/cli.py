@@ -1,0 +1,129 @@
+"""`trikv bench quality` and `trikv bench report`: argument parsing and entry points."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from .. import register_bench
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x.strip()]
+
+
+def _names(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def add_quality_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--preset", default="quick", help="quick (default: all tasks but math, < 20 min on 2 CPU cores) or full")
+    parser.add_argument("--task", type=_names, default=None, help="comma list of fidelity,dfs,needle,math or 'all' (default: the preset's)")
+    parser.add_argument("--model", default=None, help="bundled name, local folder or hub id (default smollm2-135m)")
+    parser.add_argument("--stats", default=None, help="TriAttention statistics file (default: the model's bundled stats)")
+    parser.add_argument("--methods", type=_names, default=None, help="comma list of registered methods (`trikv methods`)")
+    parser.add_argument("--budgets", type=_ints, default=None, help="comma list of budgets, e.g. 64,128,256,512")
+    parser.add_argument("--divide-length", type=int, default=None, help="slack beta: compress at budget + beta (default 128)")
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--out", default="bench-quality", help="result folder (resumes a run with the same arguments)")
+    parser.add_argument("--fresh", action="store_true", help="recompute every unit instead of resuming")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads (default: 1 when the machine is busy, else torch's default)")
+    parser.add_argument("--device", default="cpu")
+    group = parser.add_argument_group("fidelity / recall")
+    group.add_argument("--texts", type=_names, default=None, help="shipped text names (see trikv/benchmarks/quality/data/README.md)")
+    group.add_argument("--text-tokens", type=int, default=None, help="tokens per text")
+    group.add_argument("--recall-stride", type=int, default=None, help="measure recall on every n-th query")
+    group.add_argument("--horizons", type=_ints, default=None, help="horizon bucket edges, e.g. 128,1024,4096")
+    group = parser.add_argument_group("DFS state query")
+    group.add_argument("--dfs-mode", default=None, choices=["teacher-forced", "generative", "both"])
+    group.add_argument("--dfs-graphs", type=int, default=None)
+    group.add_argument("--dfs-ks", type=_ints, default=None, help="steps k to query, e.g. 4,8,16,32")
+    group = parser.add_argument_group("needle")
+    group.add_argument("--needle-lengths", type=_ints, default=None)
+    group.add_argument("--needle-depths", type=_floats, default=None, help="0..1, e.g. 0,0.25,0.5,0.75,1")
+    group = parser.add_argument_group("math")
+    group.add_argument("--math-datasets", type=_names, default=None, help="math500,aime24,aime25")
+    group.add_argument("--limit", type=int, default=None, help="first N problems of each dataset")
+    group.add_argument("--samples", type=int, default=None, help="samples per problem (pass@1 = their mean)")
+    group.add_argument("--max-new-tokens", type=int, default=None)
+    parser.add_argument("--no-progress", action="store_true")
+    parser.set_defaults(func=quality_main)
+
+
+def config_from_args(args):
+    from .runner import TASKS, config_from_preset
+
+    tasks = args.task
+    if tasks == ["all"]:
+        tasks = list(TASKS)
+    return config_from_preset(
+        args.preset, tasks=tasks, model=args.model, stats=args.stats, methods=args.methods, budgets=args.budgets,
+        divide_length=args.divide_length, seed=args.seed, texts=args.texts, text_tokens=args.text_tokens,
+        recall_stride=args.recall_stride, horizons=args.horizons, dfs_mode=args.dfs_mode, dfs_graphs=args.dfs_graphs,
+        dfs_ks=args.dfs_ks, needle_lengths=args.needle_lengths, needle_depths=args.needle_depths,
+        math_datasets=args.math_datasets, math_limit=args.limit, math_samples=args.samples,
+        math_max_new_tokens=args.max_new_tokens,
+    )
+
+
+def _busy() -> bool:
+    import os
+
+    try:
+        return os.getloadavg()[0] > max(1, (os.cpu_count() or 1) - 0.5)
+    except OSError:
+        return False
+
+
+def quality_main(args) -> int:
+    import torch
+
+    from .runner import run_quality
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    elif args.device == "cpu" and _busy():
+        torch.set_num_threads(1)  # oversubscribed cores: one thread avoids OpenMP spin-wait collapse
+    config = config_from_args(args)
+    model = tokenizer = None
+    if args.device != "cpu":
+        from ...models import load_model
+
+        model, tokenizer = load_model(config.model, device=args.device)
+    started = time.perf_counter()
+    record = run_quality(config, args.out, model=model, tokenizer=tokenizer, fresh=args.fresh, progress=not args.no_progress)
+    from .report import text_tables
+
+    print(text_tables(record))
+    print(f"results in {args.out}/ (results.json, results.csv, *.png); {time.perf_counter() - started:.0f} s")
+    return 0
+
+
+def add_report_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("folders", nargs="+", metavar="DIR", help="result folders of `trikv bench quality`")
+    parser.add_argument("--out", default="docs/results.md", help="Markdown file to write (default docs/results.md)")
+    parser.add_argument("--title", default="trikv quality benchmarks")
+    parser.set_defaults(func=report_main)
+
+
+def report_main(args) -> int:
+    from .report import write_report
+
+    path = write_report(args.folders, args.out, args.title)
+    print(f"wrote {path}")
+    return 0
+
+
+register_bench("quality", add_quality_arguments, "fidelity, attention recall, DFS state query, needle and math vs budget")
+register_bench("report", add_report_arguments, "render quality result folders into one Markdown page")
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="python -m trikv.benchmarks.quality.cli")
+    add_quality_arguments(parser)
+    sys.exit(parser.parse_args().func(parser.parse_args()))

@@ -1,0 +1,75 @@
+"""Task 5: math accuracy (MATH-500, AIME 2024, AIME 2025) with sampled generation and pass@1.
+
+Data: the JSONL copies in trikv/data/datasets (provenance in their README). Prompt: TriAttention's plain
+template for MATH-500 problems ("You are given a math problem. ... Final answer: \\boxed{}"); the AIME
+prompts already end with a boxed-answer instruction. The chat template is applied (the bundled model is an
+instruct model; `chat=False` gives the reference harness's plain prompt). Sampling: T 0.6, top-p 0.95,
+k samples per problem (seeded per problem), pass@1 = mean over samples, then over problems.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .grader import extract_answer, math_equal
+
+DATASETS_DIR = Path(__file__).resolve().parents[2] / "data" / "datasets"
+DATASETS = {"math500": "math500.jsonl", "aime24": "aime24.jsonl", "aime25": "aime25.jsonl"}
+MATH_PROMPT = (
+    "You are given a math problem.\n\nProblem: {question}\n\n You need to solve the problem step by step. First, you "
+    "need to provide the chain-of-thought, then provide the final answer.\n\n Provide the final answer in the "
+    "format: Final answer:  \\boxed{{}}"
+)
+
+
+def load_problems(name: str, limit: int | None = None) -> list[dict]:
+    """[{id, prompt, answer}] of a shipped dataset (first `limit` rows)."""
+    if name not in DATASETS:
+        raise ValueError(f"unknown math dataset {name!r}; available: {', '.join(DATASETS)}")
+    rows = [json.loads(line) for line in (DATASETS_DIR / DATASETS[name]).read_text(encoding="utf-8").splitlines() if line.strip()]
+    problems = []
+    for index, row in enumerate(rows[:limit] if limit else rows):
+        if "problem" in row:
+            prompt = MATH_PROMPT.format(question=row["problem"].strip())
+        else:
+            prompt = row["prompt"]
+        problems.append({"id": f"{name}-{index}", "prompt": prompt, "answer": str(row["answer"])})
+    return problems
+
+
+def run_math(model, tokenizer, method: str, budget: int | None, method_options: dict, problems: list[dict], samples: int,
+             max_new_tokens: int, seed: int, temperature: float = 0.6, top_p: float = 0.95, divide_length: int = 128,
+             chat: bool = True, timeout: float = 3.0, progress=None) -> list[dict]:
+    """Sample `samples` answers per problem (one batch per problem) and grade them."""
+    from ...generation import generate
+
+    records = []
+    for index, problem in enumerate(problems):
+        result = generate(
+            model, tokenizer, [problem["prompt"]] * samples, method=method, budget=budget, max_new_tokens=max_new_tokens,
+            do_sample=True, temperature=temperature, top_p=top_p, seed=seed + index, chat=chat,
+            divide_length=divide_length, **method_options,
+        )
+        for sample, text in enumerate(result.texts):
+            predicted = extract_answer(text)
+            records.append({
+                "id": problem["id"], "sample": sample, "answer": problem["answer"], "predicted": predicted,
+                "correct": math_equal(predicted, problem["answer"], timeout=timeout), "tokens": len(result.tokens[sample]),
+            })
+        if progress is not None:
+            progress(1)
+    return records
+
+
+def summarise(records: list[dict]) -> dict:
+    by_problem: dict[str, list[bool]] = {}
+    for r in records:
+        by_problem.setdefault(r["id"], []).append(bool(r["correct"]))
+    per_problem = [sum(v) / len(v) for v in by_problem.values()]
+    return {
+        "pass@1": sum(per_problem) / len(per_problem) if per_problem else float("nan"),
+        "problems": len(per_problem),
+        "samples": len(records),
+        "mean_tokens": sum(r["tokens"] for r in records) / len(records) if records else 0.0,
+    }

@@ -1,0 +1,355 @@
+"""Tables, CSV rows and plots of quality results; `trikv bench report DIR...` -> one Markdown page.
+
+Every figure in the page comes from a `results.json` (the page is generated, never typed by hand). Plots
+are PNG files written beside the Markdown page (`<page stem>_files/`), one per task and run folder.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+
+# ---- table helpers -------------------------------------------------------------------------------------
+def _fmt(value, digits: int = 3) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "–"
+        if abs(value) >= 1000:
+            return f"{value:.0f}"
+        if abs(value) >= 100:
+            return f"{value:.1f}"
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def render(headers: list[str], rows: list[list], markdown: bool) -> str:
+    cells = [[str(h) for h in headers]] + [[_fmt(c) if not isinstance(c, str) else c for c in row] for row in rows]
+    if markdown:
+        lines = ["| " + " | ".join(cells[0]) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+        lines += ["| " + " | ".join(row) + " |" for row in cells[1:]]
+        return "\n".join(lines)
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _budgets(record: dict) -> list[str]:
+    return [str(b) for b in record["config"]["budgets"]]
+
+
+def _methods(record: dict) -> list[str]:
+    return list(record["config"]["methods"])
+
+
+def _cell(table: dict, method: str, budget: str):
+    values = table.get(method, {})
+    return values.get("full") if method == "full" else values.get(budget)
+
+
+def _grid(record, table, getter, methods=None) -> tuple[list[str], list[list]]:
+    budgets = _budgets(record)
+    rows = []
+    for method in methods or _methods(record):
+        row = [method]
+        for budget in budgets:
+            cell = _cell(table, method, budget)
+            row.append(getter(cell) if cell is not None else None)
+        rows.append(row)
+    return ["method \\ budget"] + budgets, rows
+
+
+# ---- sections --------------------------------------------------------------------------------------------
+def sections(record: dict, markdown: bool) -> list[tuple[str, str]]:
+    """[(title, table text)] for every task in a run."""
+    results = record["results"]
+    out = []
+    if "fidelity" in results:
+        table = results["fidelity"]["methods"]
+        meta = results["fidelity"]["meta"]
+        note = f"{len(meta['texts'])} texts x {meta['tokens_per_text']} tokens ({', '.join(meta['texts'])}), prompt {meta['prompt_tokens']} tokens"
+        for title, key, digits in (("top-1 agreement with full attention", "top1_agreement", 3),
+                                   ("mean KL(full || method), nats", "kl", 4), ("perplexity of the true next token", "perplexity", 2)):
+            headers, rows = _grid(record, table, lambda c, k=key: c[k])
+            out.append((f"Fidelity: {title} ({note})", render(headers, rows, markdown)))
+    if "recall" in results:
+        table = results["recall"]["methods"]
+        headers, rows = _grid(record, table, lambda c: f"{_fmt(c['recall'])} ({_fmt(c['recall_min_head'])})")
+        out.append(("Attention recall: mean over (layer, head) (minimum head in brackets)", render(headers, rows, markdown)))
+        labels = _horizon_labels(record)
+        for budget in _budgets(record):
+            rows = []
+            for method in _methods(record):
+                if method == "full":
+                    continue
+                cell = _cell(table, method, budget)
+                if cell is None:
+                    continue
+                rows.append([method] + [_fmt(cell["by_horizon"].get(h, {}).get("recall")) for h in labels])
+            mass = _horizon_mass(table, budget, labels)
+            rows.append(["(share of mass)"] + [_fmt(m) for m in mass])
+            out.append((f"Attention recall by horizon (tokens since the key was first judged), budget {budget}",
+                        render(["method"] + labels, rows, markdown)))
+    if "dfs" in results:
+        dfs = results["dfs"]
+        for task, title in (("dfs-tf", "teacher-forced"), ("dfs-gen", "generative")):
+            if task not in dfs:
+                continue
+            table = dfs[task]
+            headers, rows = _grid(record, table, lambda c: f"{_fmt(c['node'], 2)}/{_fmt(c['stack'], 2)}/{_fmt(c['visited'], 2)}/{_fmt(c['all'], 2)}")
+            n_items = next(iter(next(iter(table.values())).values()))["items"]
+            out.append((f"DFS state query ({title}, {n_items} queries): node / stack exact / visited exact / all three",
+                        render(headers, rows, markdown)))
+            token_level = "stack_tokens" in next(iter(next(iter(table.values())).values()))
+            if token_level:
+                headers, rows = _grid(record, table, lambda c: f"{_fmt(c['node_tokens'], 2)}/{_fmt(c['stack_tokens'], 2)}/{_fmt(c['visited_tokens'], 2)}")
+                out.append((f"DFS ({title}): share of answer tokens that are the greedy choice, node / stack / visited",
+                            render(headers, rows, markdown)))
+            ks = [str(k) for k in record["config"]["dfs_ks"]]
+            metric = "tokens" if token_level else ""
+            for budget in _budgets(record):
+                rows = []
+                for method in _methods(record):
+                    cell = _cell(table, method, budget)
+                    if cell is None:
+                        continue
+                    rows.append([method] + [
+                        f"{_fmt(cell['by_k'][k]['stack' + ('_' + metric if metric else '')], 2)}/"
+                        f"{_fmt(cell['by_k'][k]['visited' + ('_' + metric if metric else '')], 2)}" if k in cell["by_k"] else "–"
+                        for k in ks])
+                what = "greedy token share" if token_level else "exact accuracy"
+                out.append((f"DFS ({title}) stack / visited {what} by step k, budget {budget}",
+                            render(["method"] + [f"k={k}" for k in ks], rows, markdown)))
+    if "needle" in results:
+        table = results["needle"]["methods"]
+        meta = results["needle"]["meta"]
+        headers, rows = _grid(record, table, lambda c: f"{_fmt(c['accuracy'], 2)} ({_fmt(c['needle_in_cache'], 2)})")
+        out.append((f"Passkey retrieval accuracy (share of layer/heads still holding the key), lengths {meta['lengths']}, "
+                    f"depths {meta['depths']}", render(headers, rows, markdown)))
+        depths = [f"{d:g}" for d in meta["depths"]]
+        for budget in _budgets(record):
+            rows = []
+            for method in _methods(record):
+                cell = _cell(table, method, budget)
+                if cell is not None:
+                    rows.append([method] + [_fmt(cell["by_depth"].get(d, {}).get("accuracy"), 2) for d in depths])
+            out.append((f"Passkey accuracy by needle depth, budget {budget}", render(["method"] + [f"depth {d}" for d in depths], rows, markdown)))
+    if "math" in results:
+        math_results = results["math"]
+        for dataset in math_results["meta"]["datasets"]:
+            table = math_results.get(dataset, {})
+            headers, rows = _grid(record, table, lambda c: c["pass@1"])
+            n = next(iter(next(iter(table.values())).values()))["problems"] if table else 0
+            out.append((f"Math {dataset}: pass@1 ({n} problems, {math_results['meta']['samples']} samples, "
+                        f"T 0.6, top-p 0.95, {math_results['meta']['max_new_tokens']} new tokens)", render(headers, rows, markdown)))
+    return out
+
+
+def _horizon_labels(record: dict) -> list[str]:
+    from .fidelity import horizon_labels
+
+    labels = horizon_labels(tuple(record["config"]["horizons"]))
+    table = record["results"]["recall"]["methods"]
+    present = set()
+    for values in table.values():
+        for cell in values.values():
+            if cell:
+                present |= set(cell.get("by_horizon", {}))
+    return [label for label in labels if label in present]
+
+
+def _horizon_mass(table, budget, labels) -> list:
+    for method, values in table.items():
+        cell = values.get(budget)
+        if method != "full" and cell:
+            return [cell["by_horizon"].get(h, {}).get("mass_share") for h in labels]
+    return [None] * len(labels)
+
+
+def text_tables(record: dict) -> str:
+    parts = []
+    for title, table in sections(record, markdown=False):
+        parts.append(f"== {title}\n{table}\n")
+    return "\n".join(parts)
+
+
+# ---- CSV -------------------------------------------------------------------------------------------------
+def csv_rows(record: dict) -> list[tuple]:
+    rows = []
+    results = record["results"]
+
+    def emit(task, method, budget, metric, group, value):
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            rows.append((task, method, budget, metric, group, value))
+
+    for task in ("fidelity", "recall", "needle"):
+        for method, values in results.get(task, {}).get("methods", {}).items():
+            for budget, cell in values.items():
+                if not cell:
+                    continue
+                for metric, value in cell.items():
+                    emit(task, method, budget, metric, "", value)
+                for group_key in ("by_horizon", "by_depth", "by_length", "by_position"):
+                    for group, sub in cell.get(group_key, {}).items():
+                        for metric, value in sub.items():
+                            emit(task, method, budget, metric, f"{group_key[3:]}={group}", value)
+    for task, table in results.get("dfs", {}).items():
+        if task == "meta":
+            continue
+        for method, values in table.items():
+            for budget, cell in values.items():
+                for metric, value in cell.items():
+                    emit(task, method, budget, metric, "", value)
+                for k, sub in cell["by_k"].items():
+                    for metric, value in sub.items():
+                        emit(task, method, budget, metric, f"k={k}", value)
+    for dataset, table in results.get("math", {}).items():
+        if dataset == "meta":
+            continue
+        for method, values in table.items():
+            for budget, cell in values.items():
+                emit(f"math-{dataset}", method, budget, "pass@1", "", cell["pass@1"])
+    return rows
+
+
+# ---- plots -----------------------------------------------------------------------------------------------
+def _series(record, table, getter):
+    budgets = [int(b) for b in _budgets(record)]
+    lines = {}
+    for method in _methods(record):
+        values = []
+        for budget in budgets:
+            cell = _cell(table, method, str(budget))
+            values.append(getter(cell) if cell else float("nan"))
+        lines[method] = values
+    return budgets, lines
+
+
+def _panel(ax, budgets, lines, ylabel, title, logy=False):
+    for method, values in lines.items():
+        style = dict(linestyle="--", color="black") if method == "full" else dict(marker="o")
+        ax.plot(budgets, values, label=method, **style)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(budgets)
+    ax.set_xticklabels([str(b) for b in budgets])
+    if logy:
+        ax.set_yscale("log")
+    ax.set_xlabel("budget (KV entries per layer and head)")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+
+
+def plot_run(record: dict, out: Path) -> list[Path]:
+    """One PNG per task (metric vs budget, one line per method); returns the files written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = record["results"]
+    written = []
+    panels = []
+    if "fidelity" in results:
+        table = results["fidelity"]["methods"]
+        panels.append(("fidelity", [
+            (table, lambda c: c["top1_agreement"], "top-1 agreement", "Top-1 agreement with full attention", False),
+            (table, lambda c: max(c["kl"], 1e-6), "KL(full || method)", "Mean KL divergence", True),
+            (table, lambda c: c["perplexity"], "perplexity", "Perplexity of the true next token", False),
+        ]))
+    if "recall" in results:
+        table = results["recall"]["methods"]
+        specs = [(table, lambda c: c["recall"], "recall", "Attention recall (all queries)", False)]
+        for label in _horizon_labels(record):
+            specs.append((table, lambda c, h=label: c["by_horizon"].get(h, {}).get("recall", float("nan")) if c.get("by_horizon") else float("nan"),
+                          "recall", f"Recall, keys judged {label} tokens ago", False))
+        panels.append(("recall", specs))
+    if "dfs" in results:
+        for task in ("dfs-tf", "dfs-gen"):
+            if task in results["dfs"]:
+                table = results["dfs"][task]
+                metrics = [("node", "node exact"), ("stack", "stack exact"), ("visited", "visited exact"), ("all", "all three")]
+                if task == "dfs-tf":
+                    metrics += [("node_tokens", "node: greedy token share"), ("stack_tokens", "stack: greedy token share"),
+                                ("visited_tokens", "visited: greedy token share")]
+                panels.append((task, [(table, lambda c, m=m: c.get(m, float("nan")), "accuracy", f"DFS {task[4:]}: {label}", False)
+                                      for m, label in metrics]))
+    if "needle" in results:
+        table = results["needle"]["methods"]
+        panels.append(("needle", [(table, lambda c: c["accuracy"], "accuracy", "Passkey retrieval accuracy", False),
+                                  (table, lambda c: c["needle_in_cache"], "share", "Share of heads holding the key", False)]))
+    if "math" in results:
+        specs = []
+        for dataset in results["math"]["meta"]["datasets"]:
+            if dataset in results["math"]:
+                specs.append((results["math"][dataset], lambda c: c["pass@1"], "pass@1", f"{dataset} pass@1", False))
+        if specs:
+            panels.append(("math", specs))
+    for name, specs in panels:
+        cols = min(3, len(specs))
+        rows = math.ceil(len(specs) / cols)
+        fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols, 3.6 * rows), squeeze=False)
+        for ax, (table, getter, ylabel, title, logy) in zip(axes.flat, specs):
+            budgets, lines = _series(record, table, getter)
+            _panel(ax, budgets, lines, ylabel, title, logy)
+        for ax in list(axes.flat)[len(specs):]:
+            ax.axis("off")
+        axes.flat[0].legend(fontsize=8)
+        fig.suptitle(f"{record['model']['name']}: {name}", fontsize=11)
+        fig.tight_layout()
+        path = Path(out) / f"{name}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+# ---- the Markdown page -------------------------------------------------------------------------------
+def load_run(folder: str | Path) -> dict:
+    path = Path(folder) / "results.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"no results.json in {folder}")
+    record = json.loads(path.read_text())
+    if record.get("benchmark") != "quality":
+        raise ValueError(f"{path} is not a quality benchmark result (benchmark={record.get('benchmark')!r})")
+    return record
+
+
+def write_report(folders: list[str | Path], out: str | Path, title: str = "trikv quality benchmarks") -> Path:
+    """Render every run folder into one Markdown page (tables + plots copied beside it)."""
+    out = Path(out)
+    assets = out.parent / f"{out.stem}_files"
+    assets.mkdir(parents=True, exist_ok=True)
+    lines = [f"# {title}", "",
+             "Generated by `trikv bench report` from the `results.json` of each run folder; do not edit by hand.",
+             "Teacher-forced tasks feed the known text through each method's cache in schedule-sized chunks",
+             "(identical logits to one-token decoding); `full` is full attention.", ""]
+    for index, folder in enumerate(folders):
+        record = load_run(folder)
+        config = record["config"]
+        name = Path(folder).resolve().name
+        lines += [f"## Run `{name}`", ""]
+        lines += [
+            f"- model: `{record['model']['name']}` (parameters sha256 `{record['model']['sha256_parameters'][:16]}`), "
+            f"stats: {('`' + Path(record['stats']['path']).name + '` sha256 `' + record['stats']['sha256'][:16] + '`') if record.get('stats') and record['stats'].get('sha256') else 'n/a'}",
+            f"- trikv {record['trikv_version']}, torch {record['environment']['torch']}, transformers "
+            f"{record['environment']['transformers']}, {record['environment']['threads']} thread(s) on {record['environment']['device']}",
+            f"- methods: {', '.join(config['methods'])}; budgets: {', '.join(map(str, config['budgets']))}; "
+            f"divide_length {config['divide_length']}; seed {config['seed']}; wall time {record['wall_seconds'] / 60:.1f} min",
+        ]
+        if record.get("command"):
+            lines.append(f"- command: `{record['command']}`")
+        lines.append("")
+        for title_text, table in sections(record, markdown=True):
+            lines += [f"### {title_text}", "", table, ""]
+        for png in sorted(Path(folder).glob("*.png")):
+            target = assets / f"{index}_{name}_{png.name}"
+            shutil.copyfile(png, target)
+            lines += [f"![{name} {png.stem}]({assets.name}/{target.name})", ""]
+    out.write_text("\n".join(lines))
+    return out

@@ -1,0 +1,469 @@
+"""`trikv bench quality`: the grid of tasks x methods x budgets, resumable, reproducible.
+
+Every (task, method, budget) cell is a unit of work written to `OUT/units/` as soon as it is done; a rerun
+with the same arguments reuses the units it finds (an interrupted run resumes), and `--fresh` recomputes
+them. The full-attention reference of the teacher-forced texts is computed once per run and shared by all
+methods; the `full` method's fidelity/recall figures are the reference itself. At the end the run writes
+`results.json` (every figure, the configuration, versions, model / stats fingerprints, seeds), `results.csv`,
+one PNG per task and prints the tables.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import platform
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+TASKS = ("fidelity", "dfs", "needle", "math")
+FORMAT = "trikv-bench-quality/1"
+
+
+@dataclass
+class QualityConfig:
+    tasks: list[str] = field(default_factory=lambda: ["fidelity", "dfs", "needle"])
+    model: str = "smollm2-135m"
+    stats: str | None = None  # path; None = the bundled stats of `model`
+    methods: list[str] = field(default_factory=lambda: ["full", "triattention", "snapkv", "streaming"])
+    budgets: list[int] = field(default_factory=lambda: [64, 128, 256, 512])
+    divide_length: int = 128
+    seed: int = 0
+    max_chunk: int = 128
+    # fidelity + recall
+    texts: list[str] = field(default_factory=lambda: ["python-reference", "trace-60"])
+    text_tokens: int = 1024
+    prompt_tokens: int = 32
+    recall_stride: int = 4
+    horizons: list[int] = field(default_factory=lambda: [128, 512, 1024, 2048, 4096])
+    # DFS state query
+    dfs_mode: str = "teacher-forced"  # teacher-forced | generative | both
+    dfs_graphs: int = 2
+    dfs_ks: list[int] = field(default_factory=lambda: [4, 8, 16, 24, 32])
+    dfs_min_nodes: int = 10
+    dfs_max_nodes: int = 30
+    # needle
+    needle_lengths: list[int] = field(default_factory=lambda: [768])
+    needle_depths: list[float] = field(default_factory=lambda: [0.25, 0.75])
+    needle_keys: int = 1
+    # math
+    math_datasets: list[str] = field(default_factory=lambda: ["math500"])
+    math_limit: int | None = 20
+    math_samples: int = 4
+    math_max_new_tokens: int = 1024
+
+    def fingerprint(self) -> str:
+        return hashlib.sha256(json.dumps(dataclasses.asdict(self), sort_keys=True).encode()).hexdigest()[:16]
+
+
+PRESETS: dict[str, dict] = {
+    # the default: all tasks but math on the bundled model, budgets 64-512, a handful of methods (< 20 min on 2 CPU cores)
+    "quick": {},
+    # longer texts and more items: the long-horizon view (hours on a CPU)
+    "full": {
+        "tasks": ["fidelity", "dfs", "needle", "math"],
+        "methods": ["full", "triattention", "rkv", "snapkv", "h2o", "streaming", "tova", "knorm"],
+        "budgets": [64, 128, 256, 512, 1024],
+        "texts": ["python-reference", "stdlib-source", "math-solutions", "trace-60", "trace-80"],
+        "text_tokens": 4096,
+        "recall_stride": 2,
+        "dfs_graphs": 12,
+        "dfs_ks": [4, 8, 16, 24, 32, 40, 48],
+        "dfs_mode": "both",
+        "needle_lengths": [1024, 2048, 4096],
+        "needle_depths": [0.0, 0.25, 0.5, 0.75, 1.0],
+        "needle_keys": 2,
+        "math_datasets": ["math500", "aime24", "aime25"],
+        "math_limit": None,
+        "math_samples": 8,
+        "math_max_new_tokens": 4096,
+    },
+}
+
+
+def config_from_preset(preset: str, **overrides) -> QualityConfig:
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; available: {', '.join(PRESETS)}")
+    values = {**PRESETS[preset], **{k: v for k, v in overrides.items() if v is not None}}
+    unknown = set(values) - {f.name for f in dataclasses.fields(QualityConfig)}
+    if unknown:
+        raise ValueError(f"unknown configuration keys {sorted(unknown)}")
+    config = QualityConfig(**values)
+    validate(config)
+    return config
+
+
+def validate(config: QualityConfig) -> None:
+    from ...policies import REGISTRY
+
+    bad = [t for t in config.tasks if t not in TASKS]
+    if bad:
+        raise ValueError(f"unknown task(s) {bad}; available: {', '.join(TASKS)}")
+    bad = [m for m in config.methods if m not in REGISTRY]
+    if bad:
+        raise ValueError(f"unknown method(s) {bad}; available: {', '.join(REGISTRY)}")
+    if not config.budgets or any(b <= 0 for b in config.budgets):
+        raise ValueError("budgets must be positive integers")
+    if config.dfs_mode not in ("teacher-forced", "generative", "both"):
+        raise ValueError("dfs_mode must be teacher-forced, generative or both")
+    if any(not 0.0 <= d <= 1.0 for d in config.needle_depths):
+        raise ValueError("needle depths must lie in [0, 1]")
+
+
+# ---- fingerprints ---------------------------------------------------------------------------------
+def model_fingerprint(model: torch.nn.Module) -> str:
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().float().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def file_sha256(path: str | Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(1 << 22):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+# ---- units -------------------------------------------------------------------------------------------
+class UnitStore:
+    """One JSON file per finished (task, method, budget) cell, plus tensors the recall pass needs."""
+
+    def __init__(self, out: Path, fresh: bool):
+        self.dir = out / "units"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        if fresh:
+            for path in self.dir.iterdir():
+                path.unlink()
+
+    def _path(self, task: str, method: str, budget, suffix: str = "json") -> Path:
+        return self.dir / f"{task}__{method}__{budget if budget is not None else 'none'}.{suffix}"
+
+    def get(self, task, method, budget):
+        path = self._path(task, method, budget)
+        return json.loads(path.read_text()) if path.exists() else None
+
+    def put(self, task, method, budget, value) -> None:
+        path = self._path(task, method, budget)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(value, indent=1, default=_json_default))
+        tmp.replace(path)
+
+    def get_tensor(self, task, method, budget):
+        path = self._path(task, method, budget, "pt")
+        return torch.load(path) if path.exists() else None
+
+    def drop_tensor(self, task, method, budget) -> None:
+        self._path(task, method, budget, "pt").unlink(missing_ok=True)
+
+    def put_tensor(self, task, method, budget, value) -> None:
+        path = self._path(task, method, budget, "pt")
+        tmp = path.with_suffix(".pt.tmp")
+        torch.save(value, tmp)
+        tmp.replace(path)
+
+
+def _json_default(value):
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    if isinstance(value, Path):
+        return str(value)
+    raise TypeError(f"not JSON serialisable: {type(value)}")
+
+
+def budget_key(method: str, budget: int | None) -> str:
+    return "full" if method == "full" else str(budget)
+
+
+# ---- the run -------------------------------------------------------------------------------------------
+class QualityRun:
+    def __init__(self, config: QualityConfig, out: str | Path, model=None, tokenizer=None, stats=None,
+                 fresh: bool = False, progress: bool = True, log=print):
+        self.config, self.out = config, Path(out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.model, self.tokenizer, self.stats = model, tokenizer, stats
+        self.progress, self.log = progress, log
+        self._check_config(fresh)
+        self.units = UnitStore(self.out, fresh)
+        self.stats_path = None
+        self.unit_seconds: dict[str, float] = {}
+
+    def _check_config(self, fresh: bool) -> None:
+        path = self.out / "config.json"
+        current = dataclasses.asdict(self.config)
+        if path.exists() and not fresh:
+            previous = json.loads(path.read_text())
+            if previous.get("fingerprint") != self.config.fingerprint():
+                changed = sorted(k for k in current if previous.get("config", {}).get(k) != current[k])
+                raise ValueError(
+                    f"{self.out} holds a run with another configuration (differs in {', '.join(changed)}); "
+                    "use another --out folder or --fresh to start over"
+                )
+        path.write_text(json.dumps({"fingerprint": self.config.fingerprint(), "config": current}, indent=1))
+
+    # ---- setup
+    def _load(self) -> None:
+        from ...calibration import bundled_stats_path, load_stats
+        from ...models import load_model
+        from ...policies import REGISTRY
+
+        if self.model is None:
+            self.model, self.tokenizer = load_model(self.config.model)
+        needs_stats = any(REGISTRY[m].needs_stats for m in self.config.methods)
+        if needs_stats and self.stats is None:
+            source = self.config.stats or self.config.model
+            self.stats = load_stats(source, self.model)
+            path = Path(source)
+            self.stats_path = path if path.is_file() else bundled_stats_path(source)
+        elif self.config.stats:
+            self.stats_path = Path(self.config.stats)
+
+    def method_options(self, method: str) -> dict:
+        from ...policies import REGISTRY
+
+        return {"stats": self.stats} if REGISTRY[method].needs_stats else {}
+
+    def make_cache(self, method: str, budget: int | None, protect_prompt: bool = True):
+        from ...cache import make_cache
+
+        return make_cache(self.model, method, budget=budget, divide_length=self.config.divide_length,
+                          protect_prompt=protect_prompt, **self.method_options(method))
+
+    def cells(self) -> list[tuple[str, int | None]]:
+        cells = [("full", None)] if "full" in self.config.methods else []  # first: others may reuse its records
+        for method in self.config.methods:
+            if method != "full":
+                cells += [(method, b) for b in self.config.budgets]
+        return cells
+
+    def _full_records(self, task: str):
+        """Records of the full-attention cell of `task` (None when full is not in the grid or not done yet)."""
+        unit = self.units.get(task, "full", None) if "full" in self.config.methods else None
+        return None if unit is None else unit["records"]
+
+    def _threshold(self, budget: int | None) -> int | None:
+        return None if budget is None else budget + self.config.divide_length
+
+    def _bar(self, total: int, desc: str):
+        from tqdm.auto import tqdm
+
+        return tqdm(total=total, desc=desc, unit="tok", disable=not self.progress, leave=False, dynamic_ncols=True)
+
+    # ---- tasks
+    def run(self) -> dict:
+        started = time.perf_counter()
+        torch.manual_seed(self.config.seed)
+        self._load()
+        results = {}
+        for task in self.config.tasks:
+            task_started = time.perf_counter()
+            results.update(getattr(self, f"_run_{task}")())
+            self.log(f"[{task}] done in {time.perf_counter() - task_started:.0f} s")
+        record = self._record(results, time.perf_counter() - started)
+        write_outputs(record, self.out)
+        return record
+
+    def _timed(self, key: str, fn):
+        started = time.perf_counter()
+        value = fn()
+        self.unit_seconds[key] = time.perf_counter() - started
+        return value
+
+    def _run_fidelity(self) -> dict:
+        from .fidelity import FidelityTask, build_batch
+        from .texts import load_texts, text_token_ids
+
+        c = self.config
+        texts = {t.name: t for t in load_texts()}
+        missing = [name for name in c.texts if name not in texts]
+        if missing:
+            raise ValueError(f"unknown fidelity text(s) {missing}; shipped: {', '.join(texts)}")
+        ids = build_batch([text_token_ids(texts[name], self.tokenizer) for name in c.texts], c.text_tokens)
+        task = FidelityTask(self.model, ids, c.prompt_tokens, c.max_chunk, c.recall_stride, c.horizons)
+        cells = [cell for cell in self.cells() if cell[0] != "full"]
+        recall_todo = [cell for cell in cells if self.units.get("recall", *cell) is None]
+        todo = [cell for cell in cells if self.units.get("fidelity", *cell) is None
+                or (cell in recall_todo and self.units.get_tensor("fidelity", *cell) is None)]
+        fidelity, recall = {}, {}
+        if todo or recall_todo or self.units.get("fidelity", "full", None) is None:
+            bar = self._bar(ids.numel(), "reference (full attention)")
+            self._timed("reference", lambda: task.run_reference(progress=bar.update, recall=bool(recall_todo)))
+            bar.close()
+            full = self._full_fidelity(task)
+            self.units.put("fidelity", "full", None, full)
+            self.units.put("recall", "full", None, {"recall": 1.0, "recall_min_head": 1.0, "by_horizon": {}})
+        for method, budget in todo:
+            bar = self._bar(ids.numel(), f"fidelity {method} B={budget}")
+            torch.manual_seed(c.seed)
+            metrics, log = self._timed(f"fidelity/{method}/{budget}", lambda: task.run_method(self.make_cache(method, budget), progress=bar.update))
+            bar.close()
+            metrics["seconds"] = self.unit_seconds[f"fidelity/{method}/{budget}"]
+            self.units.put_tensor("fidelity", method, budget, {"evict_time": log["evict_time"], "round_times": log["round_times"]})
+            self.units.put("fidelity", method, budget, metrics)
+            self.log(f"  fidelity {method:>14} B={budget:<5} agreement {metrics['top1_agreement']:.3f}  KL {metrics['kl']:.4f}  "
+                     f"ppl {metrics['perplexity']:.2f} (full {metrics['perplexity_full']:.2f})  {metrics['seconds']:.0f} s")
+        if recall_todo:
+            logs = {cell: self.units.get_tensor("fidelity", *cell) for cell in recall_todo}
+            started = time.perf_counter()
+            values = task.recall(logs)
+            self.unit_seconds["recall"] = time.perf_counter() - started
+            for cell, value in values.items():
+                self.units.put("recall", *cell, value)
+                self.units.drop_tensor("fidelity", *cell)  # the eviction log is only needed until recall is written
+        for method, budget in self.cells():
+            fidelity.setdefault(method, {})[budget_key(method, budget)] = self.units.get("fidelity", method, budget)
+            recall.setdefault(method, {})[budget_key(method, budget)] = self.units.get("recall", method, budget)
+        meta = {"texts": c.texts, "tokens_per_text": c.text_tokens, "prompt_tokens": c.prompt_tokens}
+        return {"fidelity": {"meta": meta, "methods": fidelity}, "recall": {"meta": meta | {"horizons": c.horizons, "query_stride": c.recall_stride}, "methods": recall}}
+
+    def _full_fidelity(self, task) -> dict:
+        from .fidelity import FidelityAccumulator
+
+        accumulator = FidelityAccumulator()
+        P, T = task.prompt_length, task.length
+        for start in range(P, T - 1, 256):
+            end = min(T - 1, start + 256)
+            logits = task.reference.logits(self.model, start, end)
+            accumulator.add(start, logits, logits, task.ids[:, start + 1 : end + 1])
+        return accumulator.result()
+
+    def _run_dfs(self) -> dict:
+        from . import dfs
+
+        c = self.config
+        graphs = dfs.make_graphs(c.dfs_graphs, c.seed, c.dfs_min_nodes, c.dfs_max_nodes, min_steps=min(c.dfs_ks))
+        out = {"meta": {"graphs": [{"kind": g.kind, "nodes": g.n, "edges": len(g.edges), "steps": len(g.states) - 1,
+                                    "seed": g.seed} for g in graphs], "ks": c.dfs_ks, "mode": c.dfs_mode}}
+        modes = ["teacher-forced", "generative"] if c.dfs_mode == "both" else [c.dfs_mode]
+        for mode in modes:
+            task = "dfs-tf" if mode == "teacher-forced" else "dfs-gen"
+            table = {}
+            for method, budget in self.cells():
+                unit = self.units.get(task, method, budget)
+                if unit is None:
+                    torch.manual_seed(c.seed)
+                    if mode == "teacher-forced":
+                        total = sum(len(g.states) * 8 + 300 for g in graphs)
+                        bar = self._bar(total, f"dfs {method} B={budget}")
+                        records = self._timed(f"{task}/{method}/{budget}", lambda: dfs.run_teacher_forced(
+                            self.model, self.tokenizer, lambda: self.make_cache(method, budget), graphs, c.dfs_ks,
+                            c.max_chunk, progress=bar.update, full_records=self._full_records(task),
+                            eviction_threshold=self._threshold(budget)))
+                        bar.close()
+                    else:
+                        records = self._timed(f"{task}/{method}/{budget}", lambda: dfs.run_generative(
+                            self.model, self.tokenizer, method, budget, self.method_options(method), graphs, c.dfs_ks,
+                            divide_length=c.divide_length))
+                    unit = {"summary": dfs.summarise(records), "records": records,
+                            "seconds": self.unit_seconds[f"{task}/{method}/{budget}"]}
+                    self.units.put(task, method, budget, unit)
+                    s = unit["summary"]
+                    self.log(f"  {task} {method:>14} B={budget}  node {s['node']:.2f} stack {s['stack']:.2f} "
+                             f"visited {s['visited']:.2f} all {s['all']:.2f}  {unit['seconds']:.0f} s")
+                table.setdefault(method, {})[budget_key(method, budget)] = unit["summary"]
+            out[task] = table
+        return {"dfs": out}
+
+    def _run_needle(self) -> dict:
+        from . import needle
+
+        c = self.config
+        items = needle.make_items(self.tokenizer, c.needle_lengths, c.needle_depths, c.seed, c.needle_keys)
+        table = {}
+        for method, budget in self.cells():
+            unit = self.units.get("needle", method, budget)
+            if unit is None:
+                bar = self._bar(sum(len(i.input_ids) + len(i.answer_ids) for i in items), f"needle {method} B={budget}")
+                records = self._timed(f"needle/{method}/{budget}", lambda: needle.run_needle(
+                    self.model, lambda: self.make_cache(method, budget, protect_prompt=False), items, c.max_chunk,
+                    progress=bar.update, full_records=self._full_records("needle"), eviction_threshold=self._threshold(budget)))
+                bar.close()
+                unit = {"summary": needle.summarise(records), "records": records, "seconds": self.unit_seconds[f"needle/{method}/{budget}"]}
+                self.units.put("needle", method, budget, unit)
+                self.log(f"  needle {method:>14} B={budget}  accuracy {unit['summary']['accuracy']:.2f}  "
+                         f"needle kept {unit['summary']['needle_in_cache']:.2f}  {unit['seconds']:.0f} s")
+            table.setdefault(method, {})[budget_key(method, budget)] = unit["summary"]
+        return {"needle": {"meta": {"lengths": c.needle_lengths, "depths": c.needle_depths, "keys_per_cell": c.needle_keys},
+                           "methods": table}}
+
+    def _run_math(self) -> dict:
+        from . import math_task
+
+        c = self.config
+        out = {"meta": {"datasets": c.math_datasets, "limit": c.math_limit, "samples": c.math_samples,
+                        "max_new_tokens": c.math_max_new_tokens, "temperature": 0.6, "top_p": 0.95}}
+        for dataset in c.math_datasets:
+            problems = math_task.load_problems(dataset, c.math_limit)
+            table = {}
+            for method, budget in self.cells():
+                name = f"math-{dataset}"
+                unit = self.units.get(name, method, budget)
+                if unit is None:
+                    records = self._timed(f"{name}/{method}/{budget}", lambda: math_task.run_math(
+                        self.model, self.tokenizer, method, budget, self.method_options(method), problems, c.math_samples,
+                        c.math_max_new_tokens, c.seed, divide_length=c.divide_length))
+                    unit = {"summary": math_task.summarise(records), "records": records,
+                            "seconds": self.unit_seconds[f"{name}/{method}/{budget}"]}
+                    self.units.put(name, method, budget, unit)
+                    self.log(f"  {name} {method:>14} B={budget}  pass@1 {unit['summary']['pass@1']:.3f}")
+                table.setdefault(method, {})[budget_key(method, budget)] = unit["summary"]
+            out[dataset] = table
+        return {"math": out}
+
+    # ---- record
+    def _record(self, results: dict, seconds: float) -> dict:
+        import transformers
+
+        from ... import __version__
+
+        model_info = {"name": self.config.model, "sha256_parameters": model_fingerprint(self.model),
+                      "class": type(self.model).__name__, "dtype": str(next(self.model.parameters()).dtype)}
+        stats_info = None
+        if self.stats_path is not None and Path(self.stats_path).is_file():
+            stats_info = {"path": str(self.stats_path), "sha256": file_sha256(self.stats_path)}
+        elif self.stats is not None:
+            stats_info = {"path": None, "note": "statistics passed in memory", "tokens": self.stats.metadata.get("token_count")}
+        return {
+            "format": FORMAT,
+            "benchmark": "quality",
+            "trikv_version": __version__,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "command": " ".join(["trikv"] + sys.argv[1:]) if Path(sys.argv[0]).name in ("trikv", "__main__.py") else None,
+            "config": dataclasses.asdict(self.config),
+            "config_fingerprint": self.config.fingerprint(),
+            "model": model_info,
+            "stats": stats_info,
+            "seeds": {"seed": self.config.seed, "dfs_graphs": self.config.seed, "needle_keys": self.config.seed,
+                      "math_sampling": f"{self.config.seed} + problem index"},
+            "environment": {"python": platform.python_version(), "torch": torch.__version__,
+                            "transformers": transformers.__version__, "threads": torch.get_num_threads(),
+                            "device": str(next(self.model.parameters()).device), "platform": platform.platform()},
+            "wall_seconds": seconds,
+            "unit_seconds": self.unit_seconds,
+            "results": results,
+        }
+
+
+def write_outputs(record: dict, out: Path) -> None:
+    from .report import csv_rows, plot_run, text_tables
+
+    out = Path(out)
+    (out / "results.json").write_text(json.dumps(record, indent=1, default=_json_default))
+    rows = csv_rows(record)
+    with (out / "results.csv").open("w") as handle:
+        handle.write("task,method,budget,metric,group,value\n")
+        for row in rows:
+            handle.write(",".join(str(x) for x in row) + "\n")
+    plot_run(record, out)
+    (out / "tables.txt").write_text(text_tables(record))
+
+
+def run_quality(config: QualityConfig, out: str | Path, **kwargs) -> dict:
+    return QualityRun(config, out, **kwargs).run()
