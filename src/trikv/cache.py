@@ -32,7 +32,7 @@ from .policies import Policy, ScoringContext, make_policy
 from .policies.base import ObservationContext  # baselines (issue 3)
 from .policies.base import CompactionContext  # compaction (issue 5)
 from .query_capture import QueryWindow, install_query_tap, take_query, want_queries  # baselines (issue 3)
-from .fast import accelerate, gather_slots  # speed (issue 6)
+from .fast import accelerate, compact_slots_, gather_slots, spread_step  # speed (issue 6)
 
 log = logging.getLogger(__name__)
 
@@ -216,7 +216,8 @@ class CompressedCache(Cache):
         """Bytes the K/V buffers occupy, spare slots included."""
         if self.keys is None:
             return 0
-        return self.keys.nbytes + self.values.nbytes + self.positions.nbytes
+        bias_bytes = 0 if self.biases is None else self.biases.nbytes  # compaction (issue 5)
+        return self.keys.nbytes + self.values.nbytes + self.positions.nbytes + bias_bytes
 
     # ---- the forward pre-hook -----------------------------------------------------------------
     def before_forward(self, query_length: int, attention_mask: torch.Tensor | None) -> None:
@@ -231,6 +232,10 @@ class CompressedCache(Cache):
                 self._observe_last_token()
         if self.budget is not None and self.length - self._excess_slots >= self.budget + self.divide_length:
             self.compress()
+        if query_length == 1 and self.decoding and self.budget is not None:  # speed (issue 6): score ahead, spread
+            started = time.perf_counter()
+            spread_step(self)
+            self.scoring_seconds += time.perf_counter() - started
 
     def _read_padding(self, attention_mask: torch.Tensor | None) -> None:
         if attention_mask is None or attention_mask.dim() != 2:
@@ -385,7 +390,9 @@ class CompressedCache(Cache):
         scores = scores.masked_fill(protected, float("inf")).masked_fill(dead, float("-inf"))
         counts = self.policy.allocate(scores, context) if self.policy.variable_budgets else None
         chosen = torch.zeros_like(dead)
-        if counts is None:
+        if counts is None and scores.shape[-1] - budget < budget:  # speed (issue 6): find the few to evict, not the many to keep
+            chosen.fill_(True).scatter_(-1, scores.topk(scores.shape[-1] - budget, dim=-1, largest=False, sorted=False).indices, False)
+        elif counts is None:
             chosen.scatter_(-1, scores.topk(budget, dim=-1, sorted=False).indices, True)
         else:  # baselines (issue 3): per-(layer, row, head) budgets (PyramidKV, Ada-KV)
             chosen = _top_counts(scores, counts)
@@ -394,7 +401,10 @@ class CompressedCache(Cache):
         # top new_length of "keep" picks exactly the kept entries plus dead fillers; sorted = original order
         if counts is not None:  # the fullest (layer, head) sets the physical length; the others hold dead slots
             new_length = int(keep.sum(-1).max())
-        order = keep.float().topk(new_length, dim=-1, sorted=False).indices.sort(dim=-1).values  # [L, b, Hkv, P']
+        if bool((keep.sum(-1) == new_length).all()):  # speed (issue 6): no fillers: the kept slots in order, no sort
+            order = keep.nonzero()[:, -1].view(*keep.shape[:3], new_length)
+        else:
+            order = keep.float().topk(new_length, dim=-1, sorted=False).indices.sort(dim=-1).values  # [L, b, Hkv, P']
         self.policy.after_round(order)  # per-slot policy state follows the kept slots
         L, _, h = keep.shape[:3]
         live_after = keep.sum(dim=(0, 2, 3)) // (L * h)  # [b] mean live entries per (layer, head)
@@ -403,14 +413,21 @@ class CompressedCache(Cache):
         self._excess_slots = new_length + int(until_due.min()) - (budget + self.divide_length)
         kept_positions = positions.gather(3, order).masked_fill(~keep.gather(3, order), -1)
         gather_index = order[..., None].expand(*order.shape, keys.shape[-1])
-        kept_keys = gather_slots(self.keys, order)  # speed (issue 6): row copies, not an expanded-index gather
-        kept_values = gather_slots(self.values, order)
+        # speed (issue 6): compact the buffers in place, layer by layer (no fresh cache-sized allocations per round)
+        in_place = self.biases is None and self.capacity == self._target_capacity()
+        if in_place:
+            compact_slots_(self.keys, order)
+            compact_slots_(self.values, order)
+        else:
+            kept_keys = gather_slots(self.keys, order)  # speed (issue 6): row copies, not an expanded-index gather
+            kept_values = gather_slots(self.values, order)
         if self.biases is not None:  # compaction (issue 5): the policy may rewrite kept values and biases
             kept_values, kept_biases = self._compact(context, keep, order, gather_index, kept_values)
         if self.capacity != self._target_capacity():  # shrink once after a long prompt (or follow variable budgets)
             self._allocate(keys.shape[1], keys.dtype, keys.device, self._target_capacity())
-        self.keys[:, :, :, :new_length] = kept_keys
-        self.values[:, :, :, :new_length] = kept_values
+        if not in_place:
+            self.keys[:, :, :, :new_length] = kept_keys
+            self.values[:, :, :, :new_length] = kept_values
         self.positions[:, :, :, :new_length] = kept_positions
         if self.biases is not None:  # compaction (issue 5)
             self.biases[:, :, :, :new_length] = kept_biases
@@ -565,6 +582,14 @@ class CompressedCache(Cache):
             dead = bool((self.positions[:, :, :, : self.length] < 0).any())
         self._dead_state = (self.rounds, id(self.positions), self.length)
         return dead
+
+    def reserve(self, entries: int, batch: int, dtype: torch.dtype = torch.float32, device="cpu") -> None:
+        """Preallocate `entries` slots per (layer, row, KV head), e.g. prompt + max_new_tokens for full attention,
+        whose buffers otherwise double as they fill. Before the first forward (with its batch size), or to grow."""
+        if self.keys is None:
+            self._allocate(batch, dtype, device, max(entries, self._target_capacity()))
+        elif entries > self.capacity:
+            self._grow(entries)
 
     def _max_pad(self) -> int:
         if self.pad_lengths is None:

@@ -63,6 +63,8 @@ def _add_generate(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     p.add_argument("--json", action="store_true", help="print a JSON record instead of text")
+    p.add_argument("--engine", default="transformers", choices=["transformers", "lean"],  # speed (issue 6)
+                   help="model forward: transformers (default) or trikv's lean decoder (same tokens, faster)")
     p.set_defaults(func=cmd_generate)
 
 
@@ -92,7 +94,7 @@ def cmd_generate(args) -> int:
         model, tokenizer, prompts, method=args.method, budget=args.budget, divide_length=args.divide_length,
         max_new_tokens=args.max_new_tokens, min_new_tokens=args.min_new_tokens, do_sample=args.sample,
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed, chat=not args.no_chat,
-        progress=True, **options,
+        progress=True, engine=args.engine, **options,
     )
     record = {
         "method": args.method, "budget": args.budget, "texts": result.texts,

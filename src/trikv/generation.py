@@ -110,9 +110,17 @@ def generate(
     divide_length: int = 128,
     return_logits: bool = False,
     progress: bool = False,
+    engine: str = "transformers",
     **method_options,
 ) -> GenerationResult:
-    """Generate for one prompt or a batch. `method="full"` uses transformers' DynamicCache."""
+    """Generate for one prompt or a batch. `method="full"` uses transformers' DynamicCache.
+
+    engine: "transformers" (the model's own forward) or "lean" (trikv's plain-PyTorch decoder for llama /
+    qwen2 / qwen3 / mistral, `trikv.lean`; same tokens, less fixed cost per step; full attention then uses
+    a preallocated trikv cache instead of DynamicCache).
+    """
+    if engine not in ("transformers", "lean"):  # speed (issue 6)
+        raise ValueError(f"unknown engine {engine!r}; expected 'transformers' or 'lean'")
     from tqdm.auto import tqdm
 
     if max_new_tokens < 1:
@@ -122,12 +130,19 @@ def generate(
     input_ids = batch["input_ids"].to(device)
     attention_mask = batch["attention_mask"].to(device)
     if cache is None:
-        if method == "full":
+        if method == "full" and engine == "transformers":
             cache = DynamicCache(config=model.config)
         else:
             if stats is not None:
                 method_options["stats"] = stats
             cache = make_cache(model, method, budget=budget, divide_length=divide_length, **method_options)
+    lean = None
+    if engine == "lean":  # speed (issue 6)
+        from .lean import LeanEngine
+
+        lean = LeanEngine.for_model(model)
+        if isinstance(cache, CompressedCache) and cache.budget is None and cache.keys is None:  # full: no doubling
+            cache.reserve(input_ids.shape[1] + max_new_tokens, input_ids.shape[0], next(model.parameters()).dtype, device)
     if seed is not None:
         torch.manual_seed(seed)
     warpers = LogitsProcessorList()
@@ -156,8 +171,11 @@ def generate(
     for step in range(max_new_tokens):
         started = time.perf_counter()
         mask = None if bool(attention_mask.all()) else attention_mask  # as generate(): all-ones masks are dropped
-        out = model(input_ids=next_input, attention_mask=mask, position_ids=next_positions, cache=cache, logits_to_keep=1)
-        logits = out.logits[:, -1, :].float()
+        if lean is not None:  # speed (issue 6)
+            logits = lean.forward(next_input, cache, position_ids=next_positions, attention_mask=mask)[:, -1, :].float()
+        else:
+            out = model(input_ids=next_input, attention_mask=mask, position_ids=next_positions, cache=cache, logits_to_keep=1)
+            logits = out.logits[:, -1, :].float()
         if return_logits:
             all_logits.append(logits.cpu())
         scores = logits.clone()

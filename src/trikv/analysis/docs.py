@@ -13,6 +13,22 @@ from pathlib import Path
 
 from .report import PAPER, _num, _pct, summary_lines, verdict
 
+NOTES = [
+    "## How to read these numbers",
+    "",
+    "- The mean-logit r correlates the series with the logit averaged over every query position; averaging removes "
+    "most token-to-token variation, so wherever the centres carry the mean it comes out near 1. The per-query r "
+    "correlates the same series with single queries' own logit curves (a sample of queries per text that see every "
+    "distance; the count is in each model's verdict) and is the closer analogue of the paper's Figure 3 (mean > 0.5, mass at 0.6-0.9).",
+    "- Sliding-window layers (Gemma3) are judged only at distances inside their window; each layer uses its own RoPE "
+    "frequencies (local base 10,000, global base 1,000,000 for Gemma3).",
+    "- The weights are the 4-bit GGUF packages dequantised to float32, not the original bf16 checkpoints; the texts "
+    "are short (about 2-3K tokens each, distances up to 1,024), far less than the paper's calibration sets.",
+    "- Wall times were measured on a shared 2-core CPU while other jobs were running; they show the order of "
+    "magnitude only.",
+    "",
+]
+
 PLOTS_FOR_DOCS = ("concentration_heatmap", "concentration_hist", "reconstruction_hist", "reconstruction_examples", "scatter_pre_post")
 
 
@@ -67,6 +83,7 @@ def write_docs(json_paths: list[str | Path], out: str | Path, title: str = "Q/K 
         "",
         f"For comparison, {PAPER}.",
         "",
+        *NOTES,
     ]
     for path, result in results:
         meta = result["meta"]

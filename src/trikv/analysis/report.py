@@ -175,3 +175,25 @@ def write_report(result: dict, plots: dict[str, str], out_dir: str | Path) -> Pa
     path = Path(out_dir) / "report.md"
     path.write_text("\n".join(lines))
     return path
+
+
+def rerender(out_dir: str | Path) -> Path:
+    """Recompute the verdict, redraw the plots and rewrite report.md from a saved `analysis.json`."""
+    import json
+
+    from .plots import draw_all
+
+    out_dir = Path(out_dir)
+    path = out_dir / "analysis.json"
+    result = json.loads(path.read_text())
+    result["verdict"] = verdict(result)
+    result["plots"] = draw_all(result, out_dir)
+    path.write_text(json.dumps(result, allow_nan=False))
+    return write_report(result, result["plots"], out_dir)
+
+
+if __name__ == "__main__":  # python -m trikv.analysis.report RUN_DIR ...
+    import sys
+
+    for folder in sys.argv[1:]:
+        print(rerender(folder))

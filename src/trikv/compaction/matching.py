@@ -100,7 +100,6 @@ def match_heads(
 
 def _match_block(q, qmask, k, v, b, region, kept, fixed, variable, scaling, config: MatchConfig):
     H, n, _ = q.shape
-    N = k.shape[1]
     S = (q @ k.transpose(1, 2)) * scaling  # [H, n, N] logits without bias
     neg = torch.finfo(torch.float32).min
     Sb = (S + b[:, None, :]).masked_fill(~region[:, None, :], neg)

@@ -22,14 +22,25 @@ import torch
 MIN_RIDGE = 1e-8
 
 
-def spectral_norm_sq(A: torch.Tensor) -> torch.Tensor:
-    """||A||_2² for a batch [H, n, t]: the largest eigenvalue of the smaller Gram matrix (float64). -> [H]."""
+def spectral_norm_sq(A: torch.Tensor, iters: int = 30) -> torch.Tensor:
+    """||A||_2² for a batch [H, n, t] by power iteration on AᵀA (float64, deterministic start). -> [H].
+
+    Power iteration approaches from below; for the nonnegative matrices of attention matching the top
+    singular value dominates and 30 steps land within a fraction of a percent. It only scales the ridge.
+    (LAPACK's eigvalsh was tried: orders of magnitude slower on small batched matrices here.)
+    """
     H, n, t = A.shape
     if n == 0 or t == 0:
         return A.new_zeros(H, dtype=torch.float64)
     A = torch.nan_to_num(A.double())
-    gram = A @ A.transpose(1, 2) if n <= t else A.transpose(1, 2) @ A
-    return torch.linalg.eigvalsh(gram)[:, -1].clamp_min(0)
+    v = A.abs().sum(1, keepdim=True).transpose(1, 2) + 1.0 / t  # [H, t, 1]: a positive start
+    v = v / v.norm(dim=1, keepdim=True)
+    value = torch.zeros(H, dtype=torch.float64, device=A.device)
+    for _ in range(iters):
+        w = A.transpose(1, 2) @ (A @ v)
+        value = w.norm(dim=1)[:, 0]
+        v = w / value.clamp_min(1e-300)[:, None, None]
+    return value.clamp_min(0)
 
 
 def ridge_solve(A: torch.Tensor, b: torch.Tensor, x0: torch.Tensor, ridge: float, col_mask: torch.Tensor | None = None):

@@ -79,6 +79,9 @@ register("tam-pivots-only", TAM, "TAM ablation: pivots, one segment (PAM + pivot
 register("tam-omp", TAM, "TAM with OMP key selection on the mass (global, after the pivots)", selection="omp")
 register("pam", PAM)
 register("selector-window", SelectorWindow)
+register("tam-shared", TAM, "TAM on the shared trigger (rounds at budget + divide_length, not every 1024 tokens)", schedule="shared")
+register("pam-shared", PAM, "PAM on the shared trigger (rounds at budget + divide_length)", schedule="shared")
+register("selector-window-shared", SelectorWindow, "selector-window eviction on the shared trigger", schedule="shared")
 register("tri-am", TriAttentionAM)
 register("tri-am-recent", TriAttentionAM, "hybrid, reference queries also include the last 64 post-RoPE queries", recent_queries=64)
 

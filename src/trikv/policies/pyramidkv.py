@@ -64,6 +64,8 @@ class PyramidKV(SnapKV):
     protected entries plus b_l competing ones, b_l linear from 2a - a/beta (layer 0) down to a/beta (last
     layer), clipped to the tokens seen; sum_l b_l = L·a exactly. Rows with fewer than 2a tokens seen use a
     in every layer (KVCache-Factory's fallback). Inside a layer each KV head keeps its top b_l SnapKV scores.
+    A layer whose budget exceeds what it holds (budgets grow with the tokens seen during the first rounds)
+    keeps everything; its unused budget is not lent to other layers.
     Defaults: beta = 20 (KVCache-Factory, kvpress), SnapKV decode port (w = 8, kernel 7, max pooling,
     max_logit), the shared trigger. Source: Zefan-Cai/KVCache-Factory `pyramidkv_utils.py`; kvpress
     `PyramidKVPress`; reference/baselines.md section 2.4.

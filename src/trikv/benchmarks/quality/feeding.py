@@ -90,8 +90,9 @@ class Feeder:
         index), instead of collecting them (saves memory on long texts).
         Returns the collected logits [b, n', V] (float32) or None.
         """
+        device = next(self.model.parameters()).device
+        input_ids = input_ids.to(device)
         b, n = input_ids.shape
-        device = input_ids.device
         wanted = _wanted_range(want_logits, n)
         collected = []
         offset = 0
@@ -130,7 +131,7 @@ class Feeder:
                 if on_logits is not None:
                     on_logits(start + (keep[0] - offset), logits)
                 else:
-                    collected.append(logits)
+                    collected.append(logits.cpu())
             self.seen = end
             offset += count
             prompt = False

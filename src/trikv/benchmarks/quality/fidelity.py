@@ -88,7 +88,7 @@ class FidelityAccumulator:
 
 
 def _bucket_sums(positions: torch.Tensor, value: torch.Tensor, bucket: int) -> dict[int, float]:
-    index = positions // bucket
+    index = (positions // bucket).to(value.device)
     out = {}
     for i in index.unique().tolist():
         out[i] = float(value[:, index == i].double().sum())
@@ -107,7 +107,8 @@ class FidelityTask:
                  recall_stride: int = 4, horizons=DEFAULT_HORIZONS):
         if not 0 < prompt_length < input_ids.shape[1] - 1:
             raise ValueError(f"prompt length {prompt_length} must leave tokens to decode")
-        self.model, self.ids, self.prompt_length = model, input_ids, prompt_length
+        self.model, self.prompt_length = model, prompt_length
+        self.ids = input_ids.to(next(model.parameters()).device)
         self.max_chunk, self.recall_stride, self.horizons = max_chunk, recall_stride, tuple(horizons)
         self.reference: Reference | None = None
 

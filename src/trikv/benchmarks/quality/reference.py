@@ -95,7 +95,7 @@ def reference_pass(
             keys[layer] = torch.zeros(b, k.shape[1], T, k.shape[-1], dtype=torch.float32)
             queries[layer] = torch.zeros(b, q.shape[1], len(query_index), q.shape[-1], dtype=torch.float32)
         keys[layer][:, :, start:end] = k.detach().float().cpu()
-        inside = (query_index >= start) & (query_index < end)
+        inside = (query_index >= start) & (query_index < end)  # query_index lives on the CPU
         if bool(inside.any()):
             where = inside.nonzero().flatten()
             queries[layer][:, :, where] = q.detach().float().cpu()[:, :, query_index[where] - start]

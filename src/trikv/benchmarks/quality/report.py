@@ -340,7 +340,8 @@ def write_report(folders: list[str | Path], out: str | Path, title: str = "trikv
             f"- trikv {record['trikv_version']}, torch {record['environment']['torch']}, transformers "
             f"{record['environment']['transformers']}, {record['environment']['threads']} thread(s) on {record['environment']['device']}",
             f"- methods: {', '.join(config['methods'])}; budgets: {', '.join(map(str, config['budgets']))}; "
-            f"divide_length {config['divide_length']}; seed {config['seed']}; wall time {record['wall_seconds'] / 60:.1f} min",
+            f"divide_length {config['divide_length']}; seed {config['seed']}; wall time {record['wall_seconds'] / 60:.1f} min "
+            f"(compute over all units {record.get('compute_seconds', record['wall_seconds']) / 60:.1f} min)",
         ]
         if record.get("command"):
             lines.append(f"- command: `{record['command']}`")

@@ -36,7 +36,7 @@ class QualityConfig:
     seed: int = 0
     max_chunk: int = 128
     # fidelity + recall
-    texts: list[str] = field(default_factory=lambda: ["python-reference", "trace-60"])
+    texts: list[str] = field(default_factory=lambda: ["python-reference", "math-solutions"])
     text_tokens: int = 1024
     prompt_tokens: int = 32
     recall_stride: int = 4
@@ -266,6 +266,11 @@ class QualityRun:
             task_started = time.perf_counter()
             results.update(getattr(self, f"_run_{task}")())
             self.log(f"[{task}] done in {time.perf_counter() - task_started:.0f} s")
+        timings = self.out / "units" / "timings.json"  # seconds per unit, over every invocation of this run
+        merged = json.loads(timings.read_text()) if timings.exists() else {}
+        merged.update(self.unit_seconds)
+        timings.write_text(json.dumps(merged, indent=1))
+        self.unit_seconds = merged
         record = self._record(results, time.perf_counter() - started)
         write_outputs(record, self.out)
         return record
@@ -338,7 +343,7 @@ class QualityRun:
         from . import dfs
 
         c = self.config
-        graphs = dfs.make_graphs(c.dfs_graphs, c.seed, c.dfs_min_nodes, c.dfs_max_nodes, min_steps=min(c.dfs_ks))
+        graphs = dfs.make_graphs(c.dfs_graphs, c.seed, c.dfs_min_nodes, c.dfs_max_nodes, min_steps=max(c.dfs_ks))
         out = {"meta": {"graphs": [{"kind": g.kind, "nodes": g.n, "edges": len(g.edges), "steps": len(g.states) - 1,
                                     "seed": g.seed} for g in graphs], "ks": c.dfs_ks, "mode": c.dfs_mode}}
         modes = ["teacher-forced", "generative"] if c.dfs_mode == "both" else [c.dfs_mode]
@@ -445,7 +450,8 @@ class QualityRun:
             "environment": {"python": platform.python_version(), "torch": torch.__version__,
                             "transformers": transformers.__version__, "threads": torch.get_num_threads(),
                             "device": str(next(self.model.parameters()).device), "platform": platform.platform()},
-            "wall_seconds": seconds,
+            "wall_seconds": seconds,  # this invocation (a resumed run reuses earlier units)
+            "compute_seconds": sum(self.unit_seconds.values()),  # every unit of the run, over all invocations
             "unit_seconds": self.unit_seconds,
             "results": results,
         }

@@ -1,0 +1,194 @@
+"""The lean engine (trikv.lean) is the transformers forward, faster; the fast round helpers are exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import trikv
+from trikv.fast import FastTriScorer, compact_slots_, gather_slots
+from trikv.geometry import RopeGeometry
+from trikv.lean import LeanEngine
+from trikv.scoring import TriScorer, offset_values
+
+from helpers import tiny_model
+from stats_fixtures import tiny_stats
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models gain nothing from threads, and on a busy machine every parallel region waits for a core."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+FAMILIES = ["llama", "qwen2", "qwen3", "mistral"]
+ATOL = 2e-4  # fp32 logits of the tiny models are ~10-40; the engines differ only in summation order
+
+
+class _Tokenizer:
+    pad_token_id = 0
+    eos_token_id = None
+    chat_template = None
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(map(str, ids))
+
+
+def _both(model, prompts, **options):
+    tokenizer = _Tokenizer()
+    options = dict(max_new_tokens=32, min_new_tokens=32, return_logits=True, **options)
+    hf = trikv.generate(model, tokenizer, prompts, engine="transformers", **options)
+    lean = trikv.generate(model, tokenizer, prompts, engine="lean", **options)
+    return hf, lean
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_lean_equals_transformers_with_eviction_and_left_padding(family):
+    model = tiny_model(family)
+    torch.manual_seed(3)
+    prompts = [torch.randint(1, 96, (n,)).tolist() for n in (29, 11, 20)]
+    hf, lean = _both(model, prompts, method="triattention", stats=tiny_stats(model), budget=24, divide_length=8)
+    assert hf.cache.rounds >= 4 and lean.cache.rounds == hf.cache.rounds
+    assert lean.tokens == hf.tokens
+    torch.testing.assert_close(torch.stack(lean.logits), torch.stack(hf.logits), rtol=0, atol=ATOL)
+    # the same slots survived in every layer / row / head
+    assert torch.equal(lean.cache.positions[:, :, :, : lean.cache.length], hf.cache.positions[:, :, :, : hf.cache.length])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_lean_equals_transformers_without_eviction(family):
+    """Full attention: the lean engine on a trikv cache vs transformers on its own DynamicCache."""
+    model = tiny_model(family)
+    torch.manual_seed(4)
+    prompts = [torch.randint(1, 96, (n,)).tolist() for n in (25, 9)]
+    hf, lean = _both(model, prompts, method="full")
+    assert type(hf.cache).__name__ == "DynamicCache" and lean.cache.rounds == 0
+    assert lean.tokens == hf.tokens
+    torch.testing.assert_close(torch.stack(lean.logits), torch.stack(hf.logits), rtol=0, atol=ATOL)
+
+
+@pytest.mark.parametrize("method, options", [
+    ("snapkv", {}), ("h2o", {}), ("tam", dict(schedule="shared", segmentation="none", nnls_iters=4)),
+])
+def test_lean_serves_policies_with_queries_observation_and_biases(method, options):
+    """Policies that read live queries (query tap), observe every step, or add per-key biases (compaction)."""
+    model = tiny_model("llama")
+    torch.manual_seed(5)
+    prompts = [torch.randint(1, 96, (n,)).tolist() for n in (30, 14)]
+    hf, lean = _both(model, prompts, method=method, budget=24, divide_length=8, **options)
+    assert hf.cache.rounds >= 3
+    if method == "tam":
+        assert lean.cache._has_bias  # the per-key log-biases really reached attention
+    assert lean.tokens == hf.tokens
+    torch.testing.assert_close(torch.stack(lean.logits), torch.stack(hf.logits), rtol=0, atol=ATOL)
+
+
+def test_lean_chunked_prefill_and_weight_sharing():
+    """Prompt chunks (several tokens into a non-empty cache) and the fused weights staying in sync."""
+    model = tiny_model("qwen2", attn="eager")
+    stats = tiny_stats(model)
+    prompt = torch.randint(1, 96, (1, 120))
+    engine = LeanEngine.for_model(model)
+    # the model's own q/k/v and gate/up weights now live inside the fused tensors (no duplicate copy)
+    layer = model.model.layers[0]
+    assert layer.self_attn.k_proj.weight.data_ptr() == engine.layers[0].qkv_w[layer.self_attn.q_proj.out_features :].data_ptr()
+    caches = [trikv.make_cache(model, "triattention", budget=32, divide_length=8, stats=stats, protect_prompt=False) for _ in range(2)]
+    with torch.no_grad():
+        for start in range(0, 120, 30):
+            chunk, positions = prompt[:, start : start + 30], torch.arange(start, start + 30)[None]
+            ours = engine(chunk, caches[0], position_ids=positions, logits_to_keep=0)
+            ref = model(input_ids=chunk, position_ids=positions, cache=caches[1]).logits
+            torch.testing.assert_close(ours, ref, rtol=0, atol=ATOL)
+    assert caches[0].rounds == caches[1].rounds >= 2
+    # replacing a parameter rebuilds the engine (the fingerprint changes)
+    with torch.no_grad():
+        model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight * 1.5)
+    assert LeanEngine.for_model(model) is not engine
+
+
+def test_memory_stays_within_budget_plus_slack_over_many_rounds():
+    model = tiny_model("llama")
+    budget, slack = 16, 8
+    engine = LeanEngine.for_model(model)
+    cache = trikv.make_cache(model, "triattention", stats=tiny_stats(model), budget=budget, divide_length=slack)
+    tokens = torch.arange(1, 41)[None]
+    positions = torch.arange(40)[None]
+    entries = []
+    with torch.no_grad():
+        for _ in range(300):
+            tokens = engine(tokens, cache, position_ids=positions)[:, -1].argmax(-1, keepdim=True)
+            positions = positions[:, -1:] + 1
+            entries.append(cache.entries())
+            assert cache.capacity <= max(budget + slack, 40)
+    assert cache.rounds >= 30
+    assert max(entries[1:]) == budget + slack and min(entries[1:]) == budget + 1  # oscillates between B and B + beta
+    assert cache.capacity == budget + slack  # the buffers shrank after the prompt and never grew again
+    per_entry = 2 * cache.shape.num_layers * cache.shape.num_kv_heads * cache.shape.head_dim * 4
+    assert cache.memory_bytes() <= (budget + slack) * per_entry
+    assert cache.get_seq_length() == 40 + 299
+
+
+def test_scoring_ahead_is_used_and_changes_nothing():
+    model = tiny_model("llama")
+    stats = tiny_stats(model)
+    calls = []
+    original = FastTriScorer._usable_ahead
+
+    def spy(self, keys, t):
+        done = original(self, keys, t)
+        calls.append((done, keys.shape[3]))
+        return done
+
+    runs = {}
+    FastTriScorer._usable_ahead = spy
+    try:
+        for spread in (True, False):
+            cache = trikv.make_cache(model, "triattention", budget=24, divide_length=16, stats=stats)
+            assert isinstance(cache.policy.scorer, FastTriScorer)
+            cache.policy.scorer.spread = spread
+            calls.clear()
+            runs[spread] = trikv.generate(model, _Tokenizer(), [list(range(3, 33))], cache=cache, max_new_tokens=120,
+                                          min_new_tokens=120, return_logits=True, engine="lean")
+            runs[spread].calls = list(calls)
+    finally:
+        FastTriScorer._usable_ahead = original
+    on, off = runs[True], runs[False]
+    assert on.tokens == off.tokens
+    torch.testing.assert_close(torch.stack(on.logits), torch.stack(off.logits), rtol=0, atol=0)
+    decode_rounds = [(done, n) for done, n in on.calls if n == 24 + 16]
+    assert len(decode_rounds) >= 5 and all(done >= n - 2 for done, n in decode_rounds)  # only the newest slot(s) at round time
+    assert all(done == 0 for done, _ in off.calls)
+
+
+@pytest.mark.parametrize("layout", ["half", "interleaved"])
+def test_fast_scorer_matches_reference_scorer(layout):
+    torch.manual_seed(0)
+    L, Hq, Hkv, D = 3, 6, 2, 16
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, D, 2).double() / D))
+    geometry = RopeGeometry.build(inv_freq, D, layout)
+    q_mean = torch.complex(torch.randn(L, Hq, D // 2), torch.randn(L, Hq, D // 2)).to(torch.complex128)
+    q_abs = q_mean.abs() + torch.rand(L, Hq, D // 2).double()
+    reference = TriScorer(q_mean, q_abs, geometry, Hkv, offset_values())
+    fast = FastTriScorer.from_scorer(reference)
+    keys = torch.randn(L, 2, Hkv, 300, D) * 2
+    t = torch.tensor([700, 1234])
+    expected = reference.score(keys, t)
+    torch.testing.assert_close(fast.score(keys, t), expected, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(fast.score(keys[:, :, :, :40], t), expected[..., :40], rtol=1e-5, atol=1e-4)  # small-n path
+    for option in (dict(use_trig=False), dict(use_norm=False)):
+        ref = TriScorer(q_mean, q_abs, geometry, Hkv, offset_values(), **option)
+        torch.testing.assert_close(FastTriScorer.from_scorer(ref).score(keys, t), ref.score(keys, t), rtol=1e-5, atol=1e-4)
+
+
+def test_slot_compaction_helpers_match_gather():
+    torch.manual_seed(1)
+    buffer = torch.randn(4, 2, 3, 50, 8)
+    order = torch.rand(4, 2, 3, 45).topk(30, dim=-1).indices.sort(-1).values
+    expected = buffer[:, :, :, :45].gather(3, order[..., None].expand(*order.shape, 8))
+    assert torch.equal(gather_slots(buffer, order), expected)
+    in_place = buffer.clone()
+    compact_slots_(in_place, order)
+    assert torch.equal(in_place[:, :, :, :30], expected)
+    assert torch.equal(in_place[:, :, :, 30:], buffer[:, :, :, 30:])  # the tail is left alone

@@ -1,0 +1,101 @@
+"""`trikv bench speed` end to end on a tiny model, and the pieces its numbers rest on."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+import torch
+
+from trikv.benchmarks import speed
+from trikv.cache import make_cache
+
+from helpers import tiny_model
+from stats_fixtures import tiny_stats
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models gain nothing from threads, and on a busy machine every parallel region waits for a core."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_speed_bench_end_to_end(tmp_path, monkeypatch):
+    model = tiny_model("llama")
+    monkeypatch.setattr(speed, "llama_cpp_available", lambda: False)  # the peer is optional: a clear note instead
+    config = speed.SpeedConfig(
+        model="tiny-llama", contexts=[64, 160], methods=["full", "triattention"], budgets=[16], batch_sizes=[2],
+        engines=["lean", "transformers"], steps=16, warmup=2, divide_length=8, seed_tokens=24, fill_chunk=48,
+        engine_check_steps=8, spread="both", bandwidth_mb=8, out=str(tmp_path / "speed"), progress=False,
+    )
+    record = speed.run_speed(config, model=model, tokenizer=None, stats=tiny_stats(model))
+    results = record["results"]
+    assert len(results) == 2 * 2 * (1 + 2)  # contexts x engines x (full + budget x spread on/off)
+    for r in results:
+        assert r["steps"] == 16 and r["tokens_per_second"] > 0 and r["ms_p50"] <= r["ms_p99"] <= r["ms_max"]
+        assert r["bound_ms"] > 0 and r["speedup_vs_full"] is not None
+        if r["method"] == "full":
+            assert r["entries_final"] == r["context"] + 18 and r["speedup_vs_full"] == 1.0
+        else:  # bounded: never more than budget + slack entries, rounds ran during the measured steps
+            assert r["entries_peak"] <= r["budget"] + 8 and r["round_steps"] >= 2 and r["scoring_share"] > 0
+            assert r["bound_speedup_vs_full"] > 1.0
+            assert r["kv_bytes_peak"] == r["batch"] * r["entries_peak"] * speed.kv_bytes_per_token(model)
+    check = record["engine_check"]
+    assert check["context"] == 160 and all(m["identical_greedy_tokens"] for m in check["methods"].values())
+    assert "not installed" in record["llama_cpp"]["skipped"]
+    out = tmp_path / "speed"
+    assert json.loads((out / "speed.json").read_text())["results"][0]["engine"] == "lean"
+    rows = list(csv.DictReader((out / "speed.csv").open()))
+    assert len(rows) == len(results) and {"tokens_per_second", "bound_ms", "speedup_vs_full"} <= set(rows[0])
+    assert (out / "speed.png").stat().st_size > 1000
+    table = (out / "speed.txt").read_text()
+    assert "triattention B=16 (no spread)" in table and "identical greedy tokens: True" in table
+
+
+def test_fill_rotates_tiled_keys_to_their_positions():
+    """A tiled key must equal the model's key of the same token at its true position (pure rotation)."""
+    model = tiny_model("qwen2")
+    seed = speed.make_seed(model, None, 16)
+    filler = speed.Filler(model, seed)
+    keys, values = filler.block(layer=1, start=40, count=8, batch=1)
+    # position 40 holds seed slot 40 % 16 = 8 rotated by 32 positions: rotate the seed key by hand
+    from trikv.geometry import RopeGeometry
+
+    geometry = RopeGeometry.from_model(model)
+    source = seed.keys[1][:, 8:9]  # [Hkv, 1, D], rotated at position 8
+    rotated = geometry.rotate(source, torch.tensor([32]))  # rotating by 32 more (rotate() applies the scaling once more)
+    expected = rotated / geometry.attention_scaling
+    torch.testing.assert_close(keys[0, :, 0:1], expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(values[0, :, 0], seed.values[1][:, 8])
+    assert not torch.allclose(keys[0, :, 0], seed.keys[1][:, 8])  # the rotation really happened
+
+
+def test_fill_keeps_bounded_caches_small_and_full_caches_preallocated():
+    model = tiny_model("llama")
+    filler = speed.Filler(model, speed.make_seed(model, None, 24))
+    bounded = make_cache(model, "triattention", budget=16, divide_length=8, stats=tiny_stats(model), protect_prompt=False)
+    speed.fill_cache(bounded, filler, context=200, batch=2, chunk=20)
+    assert bounded.rounds >= 5 and bounded.capacity <= 16 + 8 + 20 and bounded.get_seq_length() == 200
+    full = make_cache(model, "full", budget=None)
+    full.reserve(300, 2)
+    speed.fill_cache(full, filler, context=200, batch=2)
+    assert full.capacity == 300 and full.entries() == 200
+
+
+def test_memory_run_records_rss_and_bounded_entries(tmp_path):
+    model = tiny_model("llama")
+    record = speed.memory_run(model, None, tiny_stats(model), "triattention", 16, 150, 8, tmp_path, every=10, progress=False)
+    assert record["max_entries_per_layer_head"] <= max(16 + 8, 64)  # the 64-token prompt once, then B..B+beta
+    assert record["samples"][-1]["entries"] <= 16 + 8 and record["rounds"] >= 10
+    assert all(s["rss_mb"] > 0 for s in record["samples"]) and (tmp_path / "memory.png").exists()
+
+
+def test_percentile_and_bandwidth_probe():
+    assert speed._percentile([1.0, 2.0, 3.0, 4.0, 5.0], 50) == 3.0
+    assert abs(speed._percentile(list(map(float, range(101))), 99) - 99.0) < 1e-9
+    probe = speed.measure_bandwidth(8, repeats=2)
+    assert probe["gbps"] > 0.05 and probe["gbps"] == max(probe["read_gbps"], probe["gemv_gbps"])
