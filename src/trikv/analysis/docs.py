@@ -29,7 +29,7 @@ NOTES = [
     "",
 ]
 
-PLOTS_FOR_DOCS = ("concentration_heatmap", "concentration_hist", "reconstruction_hist", "reconstruction_examples", "scatter_pre_post")
+PLOTS_FOR_DOCS = ("concentration_heatmap", "reconstruction_hist", "reconstruction_examples", "scatter_pre_post")
 
 
 def _overview_row(result: dict) -> str:
@@ -77,7 +77,7 @@ def write_docs(json_paths: list[str | Path], out: str | Path, title: str = "Q/K 
         "from the centres and the real mean logit over log-spaced distances; r (per query): the same against single "
         "queries' own logit curves. Stability: worst pair of texts.",
         "",
-        "| model | layers x heads | tokens | R>0.9 (w / plain) | R>0.95 (w / plain) | mean R (w / plain) | r (mean logit) | r (per query) | stability: corr of R | stability: mean abs dR | wall time |",
+        "| model | layers x heads | tokens (all texts) | R>0.9 (w / plain) | R>0.95 (w / plain) | mean R (w / plain) | r (mean logit) | r (per query) | stability: corr of R | stability: mean abs dR | wall time |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
         *[_overview_row(result) for _, result in results],
         "",

@@ -126,7 +126,7 @@ def scatter_pre_post(result: dict, out_dir: Path) -> str:
                  f"{len(next(iter(head['scatter'].values()))['positions'])} positions per text")
     fig.tight_layout()
     name = "scatter_pre_post.png"
-    fig.savefig(out_dir / name, dpi=110)
+    fig.savefig(out_dir / name, dpi=80)
     plt.close(fig)
     return name
 

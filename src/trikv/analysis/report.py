@@ -42,7 +42,8 @@ def verdict(result: dict) -> dict:
     if per_query:
         reconstruction += (
             f" Against single queries (each query's own logit curve, r averaged over {ref['reconstruction']['queries_per_head']} "
-            f"queries per head) the mean r is {_num(per_query['mean_r'], 2)}, {_pct(per_query['share_r_gt_0.5'])} of heads above 0.5."
+            f"queries per head) the mean r is {_num(per_query['mean_r'], 2)}, {_pct(per_query['share_r_gt_0.5'])} of heads above 0.5 "
+            f"and {_pct(per_query['share_r_0.6_0.9'])} in 0.6-0.9."
         )
     pairs = result["stability"]["pairs"]
     if pairs:
@@ -70,8 +71,8 @@ def verdict(result: dict) -> dict:
 
 def _summary_table(result: dict) -> list[str]:
     lines = [
-        "| text | tokens | Q R>0.9 (w / plain) | Q R>0.95 (w / plain) | mean Q R (w / plain) | mean K R (w) | top-2 band share | mean r | median r | r in 0.6-0.9 | per-query mean r |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| text | tokens | Q R>0.9 (w / plain) | Q R>0.95 (w / plain) | mean Q R (w / plain) | mean K R (w) | top-2 band share | mean r | median r | r in 0.6-0.9 | per-query mean r | per-query r in 0.6-0.9 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, data in result["texts"].items():
         c = data["concentration"]["summary"]
@@ -82,7 +83,7 @@ def _summary_table(result: dict) -> list[str]:
             f"| {_pct(c['q_weighted']['share_gt_0.95'])} / {_pct(c['q_plain']['share_gt_0.95'])} "
             f"| {_num(c['q_weighted']['mean'])} / {_num(c['q_plain']['mean'])} | {_num(c['k_weighted']['mean'])} "
             f"| {_pct(c['top2_share_mean'])} | {_num(r['mean_r'], 2)} | {_num(r['median_r'], 2)} | {_pct(r['share_r_0.6_0.9'])} "
-            f"| {_num(pq.get('mean_r'), 2)} |"
+            f"| {_num(pq.get('mean_r'), 2)} | {_pct(pq.get('share_r_0.6_0.9'))} |"
         )
     return lines
 

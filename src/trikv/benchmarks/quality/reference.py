@@ -46,6 +46,7 @@ def capture_post_rope(model: torch.nn.Module, on_vectors: Callable[[int, torch.T
             handle.remove()
 
 
+@torch.no_grad()
 def head_logits(model: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     """Logits [b, n, V] (float32) from final hidden states, as the causal LM's forward computes them."""
     logits = model.get_output_embeddings()(hidden).float()
