@@ -608,10 +608,41 @@ def _short(r: RunResult) -> str:
 # ---------------------------------------------------------------------------------------------------------
 # lean vs transformers, identical tokens
 # ---------------------------------------------------------------------------------------------------------
+class WeightFloor:
+    """Only the weight GEMMs of one decode step (same shapes and fused weights as the lean engine): the floor
+    any engine pays on this machine right now, measured in lockstep with the real steps."""
+
+    def __init__(self, model, batch: int = 1):
+        from ..lean import LeanEngine
+
+        self.engine = LeanEngine.for_model(model)
+        hidden = self.engine.embed.shape[1]
+        dtype, device = self.engine.embed.dtype, self.engine.embed.device
+        self.x = torch.randn(batch, hidden, dtype=dtype, device=device)
+        self.attn = torch.randn(batch, self.engine.num_heads * self.engine.head_dim, dtype=dtype, device=device)
+        inner = self.engine.layers[0].gate_up_w.shape[0] // 2
+        self.act = torch.randn(batch, inner, dtype=dtype, device=device)
+        self.step_seconds: list[float] = []
+
+    @torch.no_grad()
+    def step(self, record: bool = True) -> None:
+        started = time.perf_counter()
+        x = self.x
+        for layer in self.engine.layers:
+            torch.nn.functional.linear(x, layer.qkv_w, layer.qkv_b)
+            torch.addmm(x, self.attn, layer.o_w_t)
+            torch.nn.functional.linear(x, layer.gate_up_w, layer.gate_up_b)
+            torch.addmm(x, self.act, layer.down_w_t)
+        torch.nn.functional.linear(x, self.engine.lm_head.weight)
+        if record:
+            self.step_seconds.append(time.perf_counter() - started)
+
+
 def compare_engines(model, filler: Filler, first_token: int, stats, config: SpeedConfig, weight_bytes: int,
                     kv_token: int, bandwidth: float) -> dict:
     """Lean and transformers engines decode in lockstep from identical caches (context nearest 2K, batch 1,
-    each method of the run at its largest budget): greedy tokens must be identical; time per token ratio."""
+    each method of the run at its largest budget): greedy tokens must be identical; time per token ratio.
+    The weight GEMMs alone (`WeightFloor`) run in the same lockstep: the floor both engines stand on."""
     context = min(config.contexts, key=lambda c: abs(c - 2048))
     methods = ["full"] + [m for m in config.methods if m != "full"][:1]
     budget = max(config.budgets)
@@ -620,21 +651,27 @@ def compare_engines(model, filler: Filler, first_token: int, stats, config: Spee
         runs = [DecodeRun(model, engine, method, budget, 1, context, filler, config.divide_length, stats,
                           config.fill_chunk, first_token, config.engine_check_steps + config.warmup)
                 for engine in ("lean", "transformers")]
+        floor = WeightFloor(model)
+        runs.append(floor)
         # full attention: the lean engine on a trikv full cache, transformers on its DynamicCache (trikv.generate's choice)
         for step in range(config.engine_check_steps + config.warmup):
             for run in (runs if step % 2 else runs[::-1]):
                 run.step(record=step >= config.warmup)
-        lean, hf = (r.result(weight_bytes, kv_token, bandwidth, 0) for r in runs)
+        lean, hf = (r.result(weight_bytes, kv_token, bandwidth, 0) for r in runs[:2])
+        floor_ms = statistics.fmean(floor.step_seconds) * 1e3
         same = all(torch.equal(a, b) for a, b in zip(runs[0].generated, runs[1].generated))
         report["methods"][method] = {
             "budget": None if method == "full" else budget,
             "lean_ms_p50": lean.ms_p50, "transformers_ms_p50": hf.ms_p50,
             "lean_ms_mean": lean.ms_mean, "transformers_ms_mean": hf.ms_mean,
             "speedup": hf.ms_mean / lean.ms_mean if lean.ms_mean else None,
-            "identical_greedy_tokens": same, "bound_ms": lean.bound_ms,
+            "speedup_p50": hf.ms_p50 / lean.ms_p50 if lean.ms_p50 else None,
+            "identical_greedy_tokens": same, "bound_ms": lean.bound_ms, "weight_gemm_floor_ms": floor_ms,
+            "lean_overhead_ms": lean.ms_mean - floor_ms, "transformers_overhead_ms": hf.ms_mean - floor_ms,
         }
         _log(f"[speed] engines at ctx={context} {method}: lean {lean.ms_mean:.1f} ms, transformers {hf.ms_mean:.1f} ms "
-             f"-> x{report['methods'][method]['speedup']:.2f}, identical greedy tokens: {same}", config)
+             f"-> x{report['methods'][method]['speedup']:.2f}, identical greedy tokens: {same}; weight GEMMs alone "
+             f"{floor_ms:.1f} ms", config)
         del runs
         gc.collect()
     return report
@@ -754,9 +791,10 @@ def format_table(record: dict) -> str:
     if check:
         lines += ["", f"lean vs transformers engine at context {check['context']}, batch 1, {check['steps']} steps:"]
         for method, row in check["methods"].items():
-            lines.append(f"  {method:24s} lean {row['lean_ms_mean']:.1f} ms, transformers {row['transformers_ms_mean']:.1f} ms "
-                         f"-> x{row['speedup']:.2f}; identical greedy tokens: {row['identical_greedy_tokens']}; "
-                         f"bound {row['bound_ms']:.1f} ms")
+            lines.append(f"  {method:24s} mean: lean {row['lean_ms_mean']:.1f} ms, transformers {row['transformers_ms_mean']:.1f} ms "
+                         f"-> x{row['speedup']:.2f} (p50: x{row['speedup_p50']:.2f}); identical greedy tokens: {row['identical_greedy_tokens']}; "
+                         f"bound {row['bound_ms']:.1f} ms; weight GEMMs alone {row['weight_gemm_floor_ms']:.1f} ms "
+                         f"(above it: lean {row['lean_overhead_ms']:.1f} ms, transformers {row['transformers_overhead_ms']:.1f} ms)")
     peer = record.get("llama_cpp") or {}
     if peer.get("skipped"):
         lines += ["", f"llama.cpp: {peer['skipped']}"]
