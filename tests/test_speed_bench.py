@@ -99,3 +99,12 @@ def test_percentile_and_bandwidth_probe():
     assert abs(speed._percentile(list(map(float, range(101))), 99) - 99.0) < 1e-9
     probe = speed.measure_bandwidth(8, repeats=2)
     assert probe["gbps"] > 0.05 and probe["gbps"] == max(probe["read_gbps"], probe["gemv_gbps"])
+
+
+def test_fill_feeds_queries_to_policies_that_score_with_them():
+    model = tiny_model("llama")
+    seed = speed.make_seed(model, None, 16)
+    assert seed.queries[0].shape == (model.config.num_attention_heads, 16, 16)
+    cache = make_cache(model, "snapkv", budget=16, divide_length=8, protect_prompt=False)
+    speed.fill_cache(cache, speed.Filler(model, seed), context=100, batch=1, chunk=20)
+    assert cache.rounds >= 2 and cache.query_window.queries.abs().sum() > 0
