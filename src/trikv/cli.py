@@ -121,7 +121,7 @@ def _add_demo(sub) -> None:
     p.add_argument("--budget", type=int, default=256)
     p.add_argument("--divide-length", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=1500)
-    p.add_argument("--compare-first", type=int, default=200, help="agreement is measured on the first N tokens")
+    p.add_argument("--compare-first", type=int, default=None, help="agreement is measured on the first N tokens (default: all)")
     p.add_argument("--prompt", help="override the default prompt")
     p.set_defaults(func=cmd_demo)
 

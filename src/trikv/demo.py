@@ -60,7 +60,7 @@ def run_demo(
     divide_length: int = 128,
     new_tokens: int = 1500,
     prompt: str = DEFAULT_PROMPT,
-    compare_first: int = 200,
+    compare_first: int | None = None,
     progress: bool = True,
 ) -> str:
     torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -75,7 +75,7 @@ def run_demo(
     started = time.perf_counter()
     tri = generate(model, tokenizer, prompt, method="triattention", stats=stats, budget=budget, divide_length=divide_length, **common)
     tri_wall = time.perf_counter() - started
-    table = comparison_table(full, tri, full_wall, tri_wall, budget, divide_length, compare_first)
+    table = comparison_table(full, tri, full_wall, tri_wall, budget, divide_length, compare_first or new_tokens)
     print()
     print(f"prompt ({full.prompt_lengths[0]} tokens): {prompt}")
     print()
