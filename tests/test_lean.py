@@ -8,7 +8,7 @@ import torch
 import trikv
 from trikv.fast import FastTriScorer, compact_slots_, gather_slots
 from trikv.geometry import RopeGeometry
-from trikv.lean import LeanEngine
+from trikv.lean import LeanEngine, stock_layout_copy
 from trikv.scoring import TriScorer, offset_values
 
 from helpers import tiny_model
@@ -91,9 +91,11 @@ def test_lean_chunked_prefill_and_weight_sharing():
     stats = tiny_stats(model)
     prompt = torch.randint(1, 96, (1, 120))
     engine = LeanEngine.for_model(model)
-    # the model's own q/k/v and gate/up weights now live inside the fused tensors (no duplicate copy)
+    # the model's own q/k/v and gate/up weights now live inside the fused, transposed tensors (no duplicate copy)
     layer = model.model.layers[0]
-    assert layer.self_attn.k_proj.weight.data_ptr() == engine.layers[0].qkv_w[layer.self_attn.q_proj.out_features :].data_ptr()
+    fused = engine.layers[0].qkv_wt  # [in, q + k + v]
+    assert layer.self_attn.k_proj.weight.data_ptr() == fused[:, layer.self_attn.q_proj.out_features :].data_ptr()
+    assert torch.equal(layer.self_attn.k_proj.weight, fused[:, 64:96].t())
     caches = [trikv.make_cache(model, "triattention", budget=32, divide_length=8, stats=stats, protect_prompt=False) for _ in range(2)]
     with torch.no_grad():
         for start in range(0, 120, 30):
@@ -102,6 +104,9 @@ def test_lean_chunked_prefill_and_weight_sharing():
             ref = model(input_ids=chunk, position_ids=positions, cache=caches[1]).logits
             torch.testing.assert_close(ours, ref, rtol=0, atol=ATOL)
     assert caches[0].rounds == caches[1].rounds >= 2
+    stock = stock_layout_copy(model)  # the layout transformers loads, same values
+    assert all(p.is_contiguous() for p in stock.parameters()) and not model.model.layers[0].mlp.up_proj.weight.is_contiguous()
+    torch.testing.assert_close(stock.model.layers[1].mlp.up_proj.weight, model.model.layers[1].mlp.up_proj.weight, rtol=0, atol=0)
     # replacing a parameter rebuilds the engine (the fingerprint changes)
     with torch.no_grad():
         model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight * 1.5)

@@ -237,6 +237,8 @@ def fill_cache(cache, filler: Filler, context: int, batch: int, chunk: int | Non
     finally:
         if wants_queries:
             want_queries(False)
+    if compressed and cache.budget is not None and cache.length - getattr(cache, "_excess_slots", 0) >= cache.budget + cache.divide_length:
+        cache.compress()  # the round the next forward would run: do it now, so a filled cache holds ~budget entries
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -480,7 +482,7 @@ class SpeedConfig:
     warmup: int = 4
     divide_length: int = 128
     seed_tokens: int = 512
-    fill_chunk: int = 4096
+    fill_chunk: int = 1024
     threads: int | None = None
     stats: str | None = None
     llama_cpp: bool = True
@@ -539,6 +541,10 @@ def run_speed(config: SpeedConfig, model=None, tokenizer=None, stats=None) -> di
     kv_token = kv_bytes_per_token(model)
     _log(f"[speed] bandwidth {bandwidth['gbps']} GB/s; weights read per step {weight_bytes / 1e6:.1f} MB; "
          f"KV {kv_token / 1e3:.1f} kB per cached token", config)
+    from ..lean import stock_layout_copy
+
+    # the lean engine re-points the model's weights to its faster layout; transformers runs get the layout it loads
+    stock = stock_layout_copy(model) if "transformers" in config.engines else None
     seed = make_seed(model, tokenizer, config.seed_tokens)
     filler = Filler(model, seed)
     first_token = seed.token_ids[-1]
@@ -555,16 +561,25 @@ def run_speed(config: SpeedConfig, model=None, tokenizer=None, stats=None) -> di
                     (m, b, sp) for m in methods for b in config.budgets for sp in spreads]
                 runs: list[DecodeRun] = []
                 baseline_rss = current_rss()
+                group_gb = 0.0  # KV the group's caches hold during decoding (they all live at once)
                 for method, budget, spread in specs:
-                    entries = context + steps_total if method == "full" else min(context + steps_total, budget + config.divide_length + config.fill_chunk)
-                    if batch * entries * kv_token / 1e9 > config.max_kv_gb:
-                        skipped.append(f"{engine} {method} B={budget} batch={batch} ctx={context}: KV "
-                                       f"{batch * entries * kv_token / 1e9:.1f} GB > --max-kv-gb {config.max_kv_gb}")
+                    if method == "full":
+                        steady = transient = context + steps_total
+                    else:
+                        steady = min(context + steps_total, budget + config.divide_length)
+                        transient = min(context + steps_total, budget + config.divide_length + config.fill_chunk)
+                    needed = group_gb + batch * transient * kv_token / 1e9
+                    if needed > config.max_kv_gb:
+                        skipped.append(f"{engine} {_label({'method': method, 'budget': budget, 'spread': spread})} "
+                                       f"batch={batch} ctx={context}: KV of the group would reach {needed:.1f} GB > "
+                                       f"--max-kv-gb {config.max_kv_gb}")
                         _log(f"[speed] skip: {skipped[-1]}", config)
                         continue
+                    group_gb += batch * steady * kv_token / 1e9
                     _log(f"[speed] fill {engine} {method} B={budget} batch={batch} ctx={context}", config)
-                    runs.append(DecodeRun(model, engine, method, budget, batch, context, filler, config.divide_length,
-                                          stats, config.fill_chunk, first_token, steps_total, spread=spread))
+                    runs.append(DecodeRun(stock if engine == "transformers" else model, engine, method, budget, batch, context,
+                                          filler, config.divide_length, stats, config.fill_chunk, first_token,
+                                          steps_total, spread=spread))
                 if not runs:
                     continue
                 rss_peak = current_rss()
@@ -580,12 +595,14 @@ def run_speed(config: SpeedConfig, model=None, tokenizer=None, stats=None) -> di
                 for r in group:
                     _log(f"[speed]   {_short(r)}", config)
                 results.extend(group)
+                (out / "speed.partial.json").write_text(json.dumps({"results": [asdict(r) for r in results], "skipped": skipped,
+                                                                    "bandwidth": bandwidth}, indent=1))
                 del runs
                 gc.collect()
                 _log(f"[speed] RSS {baseline_rss / 2**20:.0f} -> peak {rss_peak / 2**20:.0f} MiB", config)
     engine_check = None
     if config.engine_check and set(config.engines) >= {"lean", "transformers"}:
-        engine_check = compare_engines(model, filler, first_token, stats, config, weight_bytes, kv_token, bandwidth["gbps"])
+        engine_check = compare_engines(model, filler, first_token, stats, config, weight_bytes, kv_token, bandwidth["gbps"], stock)
     peer = run_llama_cpp(config, model, seed, filler, results, weight_bytes, bandwidth["gbps"])
     record = {
         "config": asdict(config),
@@ -640,53 +657,78 @@ class WeightFloor:
     """Only the weight GEMMs of one decode step (same shapes and fused weights as the lean engine): the floor
     any engine pays on this machine right now, measured in lockstep with the real steps."""
 
-    def __init__(self, model, batch: int = 1):
+    def __init__(self, model, batch: int = 1, layout: str = "lean"):
+        """layout "lean": the lean engine's fused, transposed weights; "stock": the model's own [out, in] weights."""
+        from ..architectures import decoder
         from ..lean import LeanEngine
 
-        self.engine = LeanEngine.for_model(model)
-        hidden = self.engine.embed.shape[1]
-        dtype, device = self.engine.embed.dtype, self.engine.embed.device
+        self.layout = layout
+        if layout == "lean":
+            engine = LeanEngine.for_model(model)
+            self.gemms = [(layer.qkv_wt, layer.o_wt, layer.gate_up_wt, layer.down_wt) for layer in engine.layers]
+            self.head = engine.lm_head_wt
+        else:
+            self.gemms = []
+            for layer in decoder(model).layers:
+                attn, mlp = layer.self_attn, layer.mlp
+                self.gemms.append(tuple(m.weight.detach() for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
+                                                                    mlp.gate_proj, mlp.up_proj, mlp.down_proj)))
+            self.head = model.lm_head.weight.detach()
+        hidden = model.config.hidden_size
+        dtype, device = self.head.dtype, self.head.device
         self.x = torch.randn(batch, hidden, dtype=dtype, device=device)
-        self.attn = torch.randn(batch, self.engine.num_heads * self.engine.head_dim, dtype=dtype, device=device)
-        inner = self.engine.layers[0].gate_up_w.shape[0] // 2
-        self.act = torch.randn(batch, inner, dtype=dtype, device=device)
+        self.inputs = {}  # input width -> activation
+        self.batch = batch
         self.step_seconds: list[float] = []
+
+    def _input(self, width: int) -> torch.Tensor:
+        if width not in self.inputs:
+            self.inputs[width] = torch.randn(self.batch, width, dtype=self.x.dtype, device=self.x.device)
+        return self.inputs[width]
 
     @torch.no_grad()
     def step(self, record: bool = True) -> None:
         started = time.perf_counter()
-        x = self.x
-        for layer in self.engine.layers:
-            torch.nn.functional.linear(x, layer.qkv_w, layer.qkv_b)
-            torch.addmm(x, self.attn, layer.o_w_t)
-            torch.nn.functional.linear(x, layer.gate_up_w, layer.gate_up_b)
-            torch.addmm(x, self.act, layer.down_w_t)
-        torch.nn.functional.linear(x, self.engine.lm_head.weight)
+        if self.layout == "lean":
+            for weights in self.gemms:
+                for w in weights:  # [in, out]
+                    torch.mm(self._input(w.shape[0]), w)
+            torch.mm(self.x, self.head)
+        else:
+            for weights in self.gemms:
+                for w in weights:  # [out, in], as transformers' nn.Linear calls it
+                    torch.nn.functional.linear(self._input(w.shape[1]), w)
+            torch.nn.functional.linear(self.x, self.head)
         if record:
             self.step_seconds.append(time.perf_counter() - started)
 
 
 def compare_engines(model, filler: Filler, first_token: int, stats, config: SpeedConfig, weight_bytes: int,
-                    kv_token: int, bandwidth: float) -> dict:
+                    kv_token: int, bandwidth: float, stock=None) -> dict:
     """Lean and transformers engines decode in lockstep from identical caches (context nearest 2K, batch 1,
     each method of the run at its largest budget): greedy tokens must be identical; time per token ratio.
-    The weight GEMMs alone (`WeightFloor`) run in the same lockstep: the floor both engines stand on."""
+    The transformers engine runs on a copy of the model in the layout transformers loads (`stock`); the
+    weight GEMMs alone (`WeightFloor`, in both layouts) run in the same lockstep: the floor of each engine."""
+    from ..lean import stock_layout_copy
+
+    stock = stock if stock is not None else stock_layout_copy(model)
     context = min(config.contexts, key=lambda c: abs(c - 2048))
     methods = ["full"] + [m for m in config.methods if m != "full"][:1]
     budget = max(config.budgets)
     report = {"context": context, "batch": 1, "steps": config.engine_check_steps, "methods": {}}
     for method in methods:
-        runs = [DecodeRun(model, engine, method, budget, 1, context, filler, config.divide_length, stats,
+        runs = [DecodeRun(m, engine, method, budget, 1, context, filler, config.divide_length, stats,
                           config.fill_chunk, first_token, config.engine_check_steps + config.warmup)
-                for engine in ("lean", "transformers")]
-        floor = WeightFloor(model)
-        runs.append(floor)
+                for m, engine in ((model, "lean"), (stock, "transformers"))]
+        floor, stock_floor = WeightFloor(model, layout="lean"), WeightFloor(stock, layout="stock")
+        runs += [floor, stock_floor]
         # full attention: the lean engine on a trikv full cache, transformers on its DynamicCache (trikv.generate's choice)
         for step in range(config.engine_check_steps + config.warmup):
             for run in (runs if step % 2 else runs[::-1]):
                 run.step(record=step >= config.warmup)
         lean, hf = (r.result(weight_bytes, kv_token, bandwidth, 0) for r in runs[:2])
         floor_ms = statistics.fmean(floor.step_seconds) * 1e3
+        stock_floor_ms = statistics.fmean(stock_floor.step_seconds) * 1e3
         same = all(torch.equal(a, b) for a, b in zip(runs[0].generated, runs[1].generated))
         report["methods"][method] = {
             "budget": None if method == "full" else budget,
@@ -695,11 +737,12 @@ def compare_engines(model, filler: Filler, first_token: int, stats, config: Spee
             "speedup": hf.ms_mean / lean.ms_mean if lean.ms_mean else None,
             "speedup_p50": hf.ms_p50 / lean.ms_p50 if lean.ms_p50 else None,
             "identical_greedy_tokens": same, "bound_ms": lean.bound_ms, "weight_gemm_floor_ms": floor_ms,
-            "lean_overhead_ms": lean.ms_mean - floor_ms, "transformers_overhead_ms": hf.ms_mean - floor_ms,
+            "stock_weight_gemm_floor_ms": stock_floor_ms,
+            "lean_overhead_ms": lean.ms_mean - floor_ms, "transformers_overhead_ms": hf.ms_mean - stock_floor_ms,
         }
         _log(f"[speed] engines at ctx={context} {method}: lean {lean.ms_mean:.1f} ms, transformers {hf.ms_mean:.1f} ms "
              f"-> x{report['methods'][method]['speedup']:.2f}, identical greedy tokens: {same}; weight GEMMs alone "
-             f"{floor_ms:.1f} ms", config)
+             f"{floor_ms:.1f} ms (lean layout) / {stock_floor_ms:.1f} ms (transformers layout)", config)
         del runs
         gc.collect()
     return report
@@ -821,8 +864,9 @@ def format_table(record: dict) -> str:
         for method, row in check["methods"].items():
             lines.append(f"  {method:24s} mean: lean {row['lean_ms_mean']:.1f} ms, transformers {row['transformers_ms_mean']:.1f} ms "
                          f"-> x{row['speedup']:.2f} (p50: x{row['speedup_p50']:.2f}); identical greedy tokens: {row['identical_greedy_tokens']}; "
-                         f"bound {row['bound_ms']:.1f} ms; weight GEMMs alone {row['weight_gemm_floor_ms']:.1f} ms "
-                         f"(above it: lean {row['lean_overhead_ms']:.1f} ms, transformers {row['transformers_overhead_ms']:.1f} ms)")
+                         f"bound {row['bound_ms']:.1f} ms; weight GEMMs alone: lean layout {row['weight_gemm_floor_ms']:.1f} ms, "
+                         f"transformers layout {row['stock_weight_gemm_floor_ms']:.1f} ms (time above them: lean "
+                         f"{row['lean_overhead_ms']:.1f} ms, transformers {row['transformers_overhead_ms']:.1f} ms)")
     peer = record.get("llama_cpp") or {}
     if peer.get("skipped"):
         lines += ["", f"llama.cpp: {peer['skipped']}"]
@@ -958,7 +1002,7 @@ def add_speed_arguments(parser) -> None:
     parser.add_argument("--warmup", type=int, default=4, help="unmeasured steps first (the fill's last round runs here)")
     parser.add_argument("--divide-length", type=int, default=128, help="slack beta")
     parser.add_argument("--seed-tokens", type=int, default=512, help="length of the real prefill that is tiled")
-    parser.add_argument("--fill-chunk", type=int, default=4096, help="bounded caches are filled in chunks of this size")
+    parser.add_argument("--fill-chunk", type=int, default=1024, help="bounded caches are filled in chunks of this size")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--max-kv-gb", type=float, default=8.0, help="skip configurations whose KV cache exceeds this")
     parser.add_argument("--spread", default="on", choices=["on", "off", "both"],
