@@ -10,8 +10,9 @@ What is measured, per (engine, method, budget, batch size, context length):
 
 Next to every speed-up the memory-bound bound is printed: on a machine that streams B bytes/s, a decode
 step cannot take less than (weight bytes + KV bytes read) / B; the bound on the speed-up of a bounded
-cache over full attention is the ratio of these times. B is measured at the start of the run (best of a
-streaming reduction and a large fp32 GEMV).
+cache over full attention is the ratio of these times. B is measured at the start of the run and again
+before each group (best of a streaming reduction and a large fp32 GEMV, best over repeats; the bound uses
+the higher of the two probes, so it is the most optimistic time this machine allows).
 
 How the context is filled: decode speed does not depend on what the cached keys say, so instead of
 generating C tokens the cache is filled directly: a real prefill of `seed_tokens` (default 512) tokens of a
@@ -57,7 +58,7 @@ def measure_bandwidth(megabytes: int = 512, repeats: int = 5) -> dict:
     data = torch.ones(n)
     rows = 4096
     matrix = data[: (n // rows) * rows].view(rows, -1)
-    vector = torch.ones(1, matrix.shape[1])
+    vector = torch.ones(1, rows)
 
     def best(fn, nbytes):
         fn()
@@ -69,8 +70,7 @@ def measure_bandwidth(megabytes: int = 512, repeats: int = 5) -> dict:
         return nbytes / min(times) / 1e9
 
     read = best(lambda: data.sum(), data.nbytes)
-    gemv = best(lambda: vector @ matrix.T, matrix.nbytes)
-    del data, matrix
+    gemv = best(lambda: vector @ matrix, matrix.nbytes)  # x @ W with W [in, out] row-major: the lean engine's layout
     return {"read_gbps": round(read, 2), "gemv_gbps": round(gemv, 2), "gbps": round(max(read, gemv), 2), "megabytes": megabytes}
 
 
@@ -89,6 +89,17 @@ def current_rss() -> int:
         import resource
 
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def release_free_memory() -> None:
+    """Return freed heap memory to the OS (glibc malloc_trim), so the next group's RSS starts from what is live."""
+    gc.collect()
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def peak_rss() -> int:
@@ -269,7 +280,8 @@ class RunResult:
     entries_mean: float
     bound_ms: float  # memory-bound time per token: (weights + KV read) / bandwidth
     bound_fraction: float  # bound_ms / measured mean ms (share of the machine's bandwidth achieved)
-    rss_peak_mb: float  # process RSS peak during the group this run decoded in
+    rss_peak_mb: float  # process RSS peak while this run's group decoded (every cache of the group is alive)
+    rss_group_start_mb: float = 0.0  # process RSS before the group's caches were built
     spread: bool | None = None  # TriAttention scoring ahead on/off (None: not applicable)
     speedup_vs_full: float | None = None
     bound_speedup_vs_full: float | None = None
@@ -560,6 +572,7 @@ def run_speed(config: SpeedConfig, model=None, tokenizer=None, stats=None) -> di
                 specs = ([("full", None, True)] if include_full else []) + [
                     (m, b, sp) for m in methods for b in config.budgets for sp in spreads]
                 runs: list[DecodeRun] = []
+                release_free_memory()
                 baseline_rss = current_rss()
                 group_gb = 0.0  # KV the group's caches hold during decoding (they all live at once)
                 for method, budget, spread in specs:
@@ -591,6 +604,8 @@ def run_speed(config: SpeedConfig, model=None, tokenizer=None, stats=None) -> di
                         run.step(record=step >= config.warmup)
                     rss_peak = max(rss_peak, current_rss())
                 group = [run.result(weight_bytes, kv_token, max(group_bandwidth, bandwidth["gbps"]), rss_peak) for run in runs]
+                for r in group:
+                    r.rss_group_start_mb = baseline_rss / 2**20
                 _fill_ratios(group)
                 for r in group:
                     _log(f"[speed]   {_short(r)}", config)
@@ -598,7 +613,7 @@ def run_speed(config: SpeedConfig, model=None, tokenizer=None, stats=None) -> di
                 (out / "speed.partial.json").write_text(json.dumps({"results": [asdict(r) for r in results], "skipped": skipped,
                                                                     "bandwidth": bandwidth}, indent=1))
                 del runs
-                gc.collect()
+                release_free_memory()
                 _log(f"[speed] RSS {baseline_rss / 2**20:.0f} -> peak {rss_peak / 2**20:.0f} MiB", config)
     engine_check = None
     if config.engine_check and set(config.engines) >= {"lean", "transformers"}:
@@ -808,7 +823,7 @@ def run_llama_cpp(config: SpeedConfig, model, seed: SeedKV, filler, results, wei
 CSV_FIELDS = [
     "engine", "method", "budget", "spread", "batch", "context", "steps", "tokens_per_second", "ms_p50", "ms_p99", "ms_max",
     "ms_mean", "p99_over_p50", "round_steps", "ms_round_step_mean", "scoring_share", "kv_bytes_final", "kv_bytes_peak",
-    "kv_bytes_allocated", "entries_final", "entries_peak", "bound_ms", "bound_fraction", "rss_peak_mb",
+    "kv_bytes_allocated", "entries_final", "entries_peak", "bound_ms", "bound_fraction", "rss_group_start_mb", "rss_peak_mb",
     "speedup_vs_full", "bound_speedup_vs_full", "efficiency_vs_bound",
 ]
 

@@ -94,7 +94,6 @@ class FastTriScorer(TriScorer):
         """Scores of keys [L, b, Hkv, n, D] into out [L, b, Hkv, G, n]; one layer at a time for long n."""
         trig, norm_t = weights
         L, b, Hkv, n, _ = keys.shape
-        G = self.group
         # all layers and heads in one batched computation, except long spans on CPU: there, a layer at a time keeps
         # the intermediates small (fresh cache-sized CPU allocations are page-faulted in on every round)
         chunked = n > 256 and keys.device.type == "cpu"
