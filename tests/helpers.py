@@ -62,7 +62,7 @@ class VisibleLog:
     def _hook(self, module, args, kwargs, output):
         cache = kwargs.get("cache")
         if isinstance(cache, CompressedCache):
-            self.visible.append(cache.positions[:, :, :, : cache.length].clone())
+            self.visible.append(cache.visible_positions().clone())
 
     def close(self):
         self.handle.remove()

@@ -128,7 +128,7 @@ def test_eviction_equals_masking(method):
         log.close()
     cache = result.cache
     assert cache.rounds >= 3
-    live = (cache.positions[:, :, :, : cache.length] >= 0).sum(-1)  # [L, b, Hkv]
+    live = (cache.visible_positions() >= 0).sum(-1)  # [L, b, Hkv]
     if method in ("pyramidkv", "adakv"):  # the same total, redistributed over layers / heads
         assert (live.float().mean(dim=(0, 2)) <= cache.budget + cache.divide_length).all()
     else:
@@ -152,8 +152,8 @@ def test_left_padded_batch_equals_rows_alone(method):
 
 def test_memory_after_rounds():
     """Uniform methods hold exactly `budget` entries per (layer, head) after a round; PyramidKV / Ada-KV
-    redistribute the same total (per layer for Ada-KV, over layers for PyramidKV) and the physical length is
-    the largest (layer, head) count."""
+    redistribute the same total (per layer for Ada-KV, over layers for PyramidKV) and, in the packed layout,
+    store exactly what they keep."""
     model = tiny_model("llama")
     budget = 40
     for method in ("snapkv", "adakv", "pyramidkv", "h2o"):
@@ -161,9 +161,12 @@ def test_memory_after_rounds():
         after = []
         original = cache.compress
 
-        def compress(original=original, cache=cache, after=after):
+        memory = []
+
+        def compress(original=original, cache=cache, after=after, memory=memory):
             original()
-            after.append((cache.positions[:, :, :, : cache.length] >= 0).sum(-1).clone())  # [L, b, Hkv]
+            after.append((cache.visible_positions() >= 0).sum(-1).clone())  # [L, b, Hkv]
+            memory.append(cache.memory_bytes())
 
         cache.compress = compress
         trikv.generate(model, _ByteTokenizer(), [list(range(1, 31))], cache=cache, max_new_tokens=120, min_new_tokens=120)
@@ -182,6 +185,10 @@ def test_memory_after_rounds():
             assert (last.sum() == L * budget) and bool((last[:-1] >= last[1:]).all()) and last[0] > last[-1]
         if method in ("snapkv", "h2o"):
             assert cache.memory_bytes() == 2 * L * Hkv * cache.length * 16 * 4
+        else:  # packed layout: the bytes right after a round are exactly the entries kept, nothing padded
+            assert cache.layout == "packed"
+            assert memory[-1] == int(after[-1].sum()) * 2 * 16 * 4
+            assert (torch.tensor(memory) <= L * Hkv * budget * 2 * 16 * 4).all()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -501,3 +508,58 @@ def test_ties_go_to_the_newer_token_whatever_the_slot_layout():
     protected = positions == 9
     context = _context(keys, budget=4, positions=positions, protected=protected, queries=queries, query_positions=torch.tensor([[9]]))
     assert _kept(policy, context)[(0, 0, 0)] == [6, 7, 8, 9]
+
+
+# ---------------------------------------------------------------------------------------------------
+# the packed layout (PyramidKV / Ada-KV store per-(layer, head) lengths without dead slots)
+
+
+def _kept_sets(cache):
+    positions = cache.visible_positions()  # [L, b, Hkv, N]
+    return [[sorted(p for p in head.tolist() if p >= 0) for head in row] for layer in positions for row in layer]
+
+
+@pytest.mark.parametrize("method", ["adakv", "pyramidkv"])
+def test_packed_layout_equals_uniform_layout_and_saves_memory(method):
+    """Same selections, tokens and logits as the uniform layout (which keeps dead slots), less memory."""
+    model = tiny_model("llama", attn="sdpa", seed=2)
+    prompts = [torch.randint(1, 96, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (30, 11)]
+    options = dict(method=method, budget=32, divide_length=8, max_new_tokens=60, min_new_tokens=60, return_logits=True)
+    uniform = trikv.generate(model, _ByteTokenizer(), prompts, layout="uniform", **options)
+    packed = trikv.generate(model, _ByteTokenizer(), prompts, **options)
+    assert type(packed.cache).__name__ == "PackedCache" and uniform.cache.layout == "uniform"
+    assert packed.cache.rounds == uniform.cache.rounds >= 4
+    assert _kept_sets(packed.cache) == _kept_sets(uniform.cache)
+    assert packed.tokens == uniform.tokens
+    torch.testing.assert_close(torch.stack(packed.logits), torch.stack(uniform.logits), rtol=0, atol=1e-5)
+    assert packed.cache.memory_bytes() < uniform.cache.memory_bytes()
+    assert packed.peak_cache_bytes < uniform.peak_cache_bytes
+    # the regions hold at most the uniform allocation of a cache that keeps `budget` everywhere (+ head tags)
+    snap = trikv.generate(model, _ByteTokenizer(), prompts, **{**options, "method": "snapkv"})
+    assert packed.cache.allocated_bytes() <= snap.cache.allocated_bytes() * (1 + 8 / (2 * 16 * 4)) + 1
+
+
+@pytest.mark.parametrize("method", ["adakv", "pyramidkv"])
+def test_packed_layout_on_the_lean_engine_and_with_eager_attention(method):
+    model = tiny_model("qwen3", attn="eager", seed=4)
+    prompt = [torch.randint(1, 96, (20,), generator=torch.Generator().manual_seed(1)).tolist()]
+    options = dict(method=method, budget=24, divide_length=8, max_new_tokens=40, min_new_tokens=40, return_logits=True)
+    hf = trikv.generate(model, _ByteTokenizer(), prompt, **options)
+    lean = trikv.generate(model, _ByteTokenizer(), prompt, engine="lean", **options)
+    uniform = trikv.generate(model, _ByteTokenizer(), prompt, layout="uniform", **options)
+    assert hf.cache.layout == lean.cache.layout == "packed" and hf.cache.rounds >= 3
+    assert hf.tokens == lean.tokens == uniform.tokens
+    torch.testing.assert_close(torch.stack(lean.logits), torch.stack(hf.logits), rtol=0, atol=1e-4)
+    torch.testing.assert_close(torch.stack(hf.logits), torch.stack(uniform.logits), rtol=0, atol=1e-5)
+
+
+def test_packed_layout_bad_input():
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="layout must be 'uniform' or 'packed'"):
+        trikv.make_cache(model, "adakv", budget=32, layout="diagonal")
+    with pytest.raises(ValueError, match="per-slot state"):
+        trikv.make_cache(model, "h2o", budget=32, layout="packed")
+    with pytest.raises(ValueError, match="give a budget"):
+        trikv.make_cache(model, "full", budget=None, layout="packed")
+    assert trikv.make_cache(model, "snapkv", budget=32, layout="packed").layout == "packed"
+    assert trikv.make_cache(model, "adakv", budget=32).layout == "packed"

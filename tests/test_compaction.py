@@ -175,7 +175,7 @@ class _BiasLog:
     def _hook(self, module, args, kwargs, output):
         cache = kwargs.get("cache")
         if isinstance(cache, CompressedCache):
-            self.visible.append(cache.positions[:, :, :, : cache.length].clone())
+            self.visible.append(cache.visible_positions().clone())
             self.biases.append(cache.biases[:, :, :, : cache.length].clone())
 
     def close(self):
@@ -412,7 +412,7 @@ def test_hybrid_keeps_triattentions_selection_and_fits():
         cache = trikv.make_cache(model, method, budget=28, divide_length=8, stats=stats, protect_prompt=False)
         _generate(model, input_ids, cache, new_tokens=14)  # one round at 36 entries, then one more token
         assert cache.rounds == 1
-        kept[method] = cache.positions[:, :, :, : cache.length].clone()
+        kept[method] = cache.visible_positions().clone()
         if method == "tri-am":
             assert cache._has_bias
             diag = cache.policy.last_round

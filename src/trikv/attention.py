@@ -13,6 +13,7 @@ from __future__ import annotations
 import sys
 
 import torch
+import torch.nn.functional as F
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
@@ -56,7 +57,31 @@ def bias_mask(query: torch.Tensor, allowed: torch.Tensor | None, bias: torch.Ten
     return torch.where(allowed, per_key, torch.finfo(query.dtype).min)
 
 
-def trikv_sdpa(module, query, key, value, attention_mask, trikv_active=False, trikv_valid=None, trikv_bias=None, **kwargs):
+def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots, scaling: float) -> torch.Tensor:
+    """Attention over a packed cache region (baselines, issue 3: PyramidKV / Ada-KV store only what each head keeps).
+
+    query [b, Hq, q, D]; key / value [b, 1, S, D]: the slots of every KV head of one layer in one axis;
+    slots = (slot_positions [b, S], slot_heads [b, S], query_positions [b, q], num_kv_heads). A query head
+    sees the live slots of its own KV head up to its own position: one multi-query matmul over the region
+    (every slot is read once; the logits against other heads' slots are computed and masked, Hkv x the
+    FLOPs of a per-head layout). Returns [b, q, Hq, D] like transformers' attention functions.
+    """
+    slot_positions, slot_heads, query_positions, num_kv_heads = slots
+    b, Hq, q, D = query.shape
+    head_of_query = torch.arange(Hq, device=query.device) // (Hq // num_kv_heads)  # [Hq]
+    same_head = slot_heads[:, None, None, :] == head_of_query[None, :, None, None]  # [b, Hq, 1, S]
+    key_position = slot_positions[:, None, None, :]  # [b, 1, 1, S]
+    query_position = query_positions[:, None, :, None]  # [b, 1, q, 1]
+    # a padding query (position -1) sees its head's slots: finite output that no real token ever reads
+    visible = ((key_position >= 0) & (key_position <= query_position)) | (query_position < 0)
+    allowed = (same_head & visible).reshape(b, 1, Hq * q, -1)
+    out = F.scaled_dot_product_attention(query.reshape(b, 1, Hq * q, D), key, value, attn_mask=allowed, scale=scaling)
+    return out.view(b, Hq, q, D).transpose(1, 2)
+
+
+def trikv_sdpa(module, query, key, value, attention_mask, trikv_active=False, trikv_valid=None, trikv_bias=None, trikv_packed=None, **kwargs):
+    if trikv_packed is not None:
+        return packed_attention(query, key, value, trikv_packed, kwargs.get("scaling") or module.scaling).contiguous(), None
     if trikv_active:
         attention_mask = validity_mask(query, key, trikv_valid)
         if trikv_bias is not None:  # compaction (issue 5): per-key log-biases
@@ -64,7 +89,9 @@ def trikv_sdpa(module, query, key, value, attention_mask, trikv_active=False, tr
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
-def trikv_eager(module, query, key, value, attention_mask, trikv_active=False, trikv_valid=None, trikv_bias=None, **kwargs):
+def trikv_eager(module, query, key, value, attention_mask, trikv_active=False, trikv_valid=None, trikv_bias=None, trikv_packed=None, **kwargs):
+    if trikv_packed is not None:  # the packed layout has one attention function (masked SDPA)
+        return packed_attention(query, key, value, trikv_packed, kwargs.get("scaling") or module.scaling).contiguous(), None
     if trikv_active:
         allowed = validity_mask(query, key, trikv_valid)
         attention_mask = None

@@ -70,7 +70,7 @@ class _LayerView(CacheLayerMixin):
 
     @property
     def keys(self):
-        return None if self.parent.keys is None else self.parent.keys[self.layer_idx, :, :, : self.parent.length]
+        return self.parent.stored_keys(self.layer_idx)
 
     @keys.setter
     def keys(self, value):
@@ -78,7 +78,7 @@ class _LayerView(CacheLayerMixin):
 
     @property
     def values(self):
-        return None if self.parent.values is None else self.parent.values[self.layer_idx, :, :, : self.parent.length]
+        return self.parent.stored_values(self.layer_idx)
 
     @values.setter
     def values(self, value):
@@ -96,10 +96,25 @@ class CompressedCache(Cache):
         protect_prompt: keep prompt tokens out of the competition (default True) as long as they leave at
             least `min_decode_room` slots for generated tokens; otherwise the prompt competes too.
         min_decode_room: slots of the budget reserved for generated tokens when the prompt is protected.
+        layout: "uniform" (one physical length for every layer and head) or "packed" (per-(layer, head)
+            lengths, packed.py); default: packed for policies with per-layer / per-head budgets
+            (PyramidKV, Ada-KV), uniform otherwise.
         policy_options: options forwarded to the policy when `policy` is a name.
     """
 
     is_compileable = False
+    layout = "uniform"
+
+    def __new__(cls, model=None, policy="triattention", budget=2048, *args, layout: str | None = None, **kwargs):
+        # baselines (issue 3): per-layer / per-head budgets (PyramidKV, Ada-KV) get the packed layout, which
+        # stores only the entries each (layer, head) keeps; see packed.py
+        if layout not in (None, "uniform", "packed"):
+            raise ValueError(f"layout must be 'uniform' or 'packed', got {layout!r}")
+        if cls is CompressedCache and (layout == "packed" or (layout is None and budget is not None and _variable_budgets(policy))):
+            from .packed import PackedCache
+
+            cls = PackedCache
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -109,6 +124,7 @@ class CompressedCache(Cache):
         divide_length: int = 128,
         protect_prompt: bool = True,
         min_decode_room: int = 32,
+        layout: str | None = None,
         **policy_options,
     ):
         self.shape: ModelShape = model_shape(model)
@@ -189,6 +205,25 @@ class CompressedCache(Cache):
     @property
     def batch_size(self) -> int:
         return -1 if self.keys is None else self.keys.shape[1]
+
+    @property
+    def device(self) -> torch.device | None:
+        return None if self.keys is None else self.keys.device
+
+    def stored_keys(self, layer: int) -> torch.Tensor | None:
+        """[b, Hkv, P, D] keys of one layer as attention sees them (None before the first forward)."""
+        return None if self.keys is None else self.keys[layer, :, :, : self.length]
+
+    def stored_values(self, layer: int) -> torch.Tensor | None:
+        return None if self.values is None else self.values[layer, :, :, : self.length]
+
+    def visible_positions(self) -> torch.Tensor:
+        """[L, b, Hkv, P] long: RoPE position of every stored entry per (layer, row, KV head), -1 = dead slot."""
+        return self.positions[:, :, :, : self.length]
+
+    def peak_memory_bytes(self) -> int:
+        """Largest `memory_bytes()` so far (every stored slot costs the same, so it follows the peak length)."""
+        return self.memory_bytes() * self.peak_length // max(self.length, 1)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.seen
@@ -283,6 +318,7 @@ class CompressedCache(Cache):
         pads = self._pads(b, key_states.device)
         positions = logical[None, :] - pads[:, None]  # [b, q]
         positions = positions.masked_fill(positions < 0, -1)
+        self._new_positions = positions
         self.positions[:, :, :, self.length : self.length + q] = positions[None, :, None, :]
         if self.biases is not None:  # compaction (issue 5): new tokens carry no bias
             self.biases[:, :, :, self.length : self.length + q] = 0
@@ -325,7 +361,7 @@ class CompressedCache(Cache):
     # ---- compression round --------------------------------------------------------------------
     def current_positions(self) -> torch.Tensor:
         """[b] tokens seen by each row, padding excluded (the RoPE position of the next token)."""
-        return self.seen - self._pads(self.keys.shape[1], self.keys.device)
+        return self.seen - self._pads(self.batch_size, self.device)
 
     def _protected(self, positions: torch.Tensor) -> torch.Tensor:
         """[L, b, Hkv, N] bool: prompt tokens (while protection holds) and the recent window."""
@@ -447,14 +483,10 @@ class CompressedCache(Cache):
             raise NotImplementedError("a compressed cache cannot be cropped (evicted entries are gone)")
 
     def _select_rows(self, index: torch.Tensor) -> None:
-        if self.keys is None:
+        if self.batch_size < 0:
             return
-        index = index.to(self.keys.device)
-        self.keys = self.keys.index_select(1, index)
-        self.values = self.values.index_select(1, index)
-        self.positions = self.positions.index_select(1, index)
-        if self.biases is not None:  # compaction (issue 5)
-            self.biases = self.biases.index_select(1, index)
+        index = index.to(self.device)
+        self._select_stored_rows(index)
         if self.tokens is not None:
             self.tokens = self.tokens.index_select(0, index.to(self.tokens.device))
         if self.pad_lengths is not None:
@@ -465,6 +497,13 @@ class CompressedCache(Cache):
         if self._round_base is not None:
             self._round_base = self._round_base.to(index.device).index_select(0, index)
 
+    def _select_stored_rows(self, index: torch.Tensor) -> None:
+        self.keys = self.keys.index_select(1, index)
+        self.values = self.values.index_select(1, index)
+        self.positions = self.positions.index_select(1, index)
+        if self.biases is not None:  # compaction (issue 5)
+            self.biases = self.biases.index_select(1, index)
+
     def reorder_cache(self, beam_idx: torch.LongTensor):
         self._select_rows(beam_idx)
 
@@ -472,8 +511,8 @@ class CompressedCache(Cache):
         self._select_rows(indices)
 
     def batch_repeat_interleave(self, repeats: int):
-        if self.keys is not None:
-            self._select_rows(torch.arange(self.keys.shape[1]).repeat_interleave(repeats))
+        if self.batch_size > 0:
+            self._select_rows(torch.arange(self.batch_size).repeat_interleave(repeats))
 
     def __repr__(self):
         return (
@@ -492,7 +531,7 @@ class CompressedCache(Cache):
                 "use the cache with the model it was created for"
             )
         q = end - start
-        new_positions = self.positions[layer_idx, :, 0, start:end]  # [b, q], the same in every head
+        new_positions = self._new_positions  # [b, q]
         self.query_window.record(layer_idx, query, new_positions, self.seen - q)
         if not self.policy.observes:
             return
@@ -599,6 +638,15 @@ class CompressedCache(Cache):
         return self._max_pad_value
 
 
+def _variable_budgets(policy) -> bool:
+    if isinstance(policy, str):
+        from .policies import REGISTRY
+
+        entry = REGISTRY.get(policy)
+        policy = None if entry is None else entry.policy_class
+    return bool(getattr(policy, "variable_budgets", False))
+
+
 def _top_counts(scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """[L, b, Hkv, N] bool: the counts[l, b, h] highest scores of every (layer, row, KV head)."""
     k = min(int(counts.max()), scores.shape[-1])
@@ -646,5 +694,5 @@ def TriAttentionCache(model: torch.nn.Module, stats, budget: int = 2048, divide_
 
 def make_cache(model: torch.nn.Module, method: str = "triattention", budget: int | None = 2048, divide_length: int = 128, **options) -> CompressedCache:
     """A CompressedCache for any registered method (`trikv methods`)."""
-    cache_options = {k: options.pop(k) for k in ("protect_prompt", "min_decode_room") if k in options}
+    cache_options = {k: options.pop(k) for k in ("protect_prompt", "min_decode_room", "layout") if k in options}
     return CompressedCache(model, method, budget=budget, divide_length=divide_length, **cache_options, **options)

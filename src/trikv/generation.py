@@ -212,7 +212,7 @@ def generate(
         cut = next((i + 1 for i, t in enumerate(row) if t in eos_ids), len(row))
         trimmed.append(row[:cut])
     if isinstance(cache, CompressedCache):
-        peak_bytes = max(peak_bytes, cache.memory_bytes() * cache.peak_length // max(cache.length, 1))
+        peak_bytes = max(peak_bytes, cache.peak_memory_bytes())
         peak_entries = max(peak_entries, cache.peak_length)
     return GenerationResult(
         tokens=trimmed,

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from .architectures import UnsupportedModelError, decoder, model_shape
-from .attention import bias_mask, validity_mask
+from .attention import bias_mask, packed_attention, validity_mask
 from .query_capture import _Tap, want_queries
 
 LEAN_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
@@ -266,7 +266,9 @@ class LeanEngine:
         kwargs: dict = {}
         keys, values = cache.update(key, value, index, kwargs=kwargs)  # [b, Hkv, P, D] views of the buffer
         valid, bias = kwargs.get("trikv_valid"), kwargs.get("trikv_bias")
-        if q == 1:
+        if kwargs.get("trikv_packed") is not None:  # PyramidKV / Ada-KV regions (packed.py)
+            out = packed_attention(query, keys, values, kwargs["trikv_packed"], self.scaling).reshape(b * q, Hq * D)
+        elif q == 1:
             out = self._decode_attention(query, keys, values, valid, bias)  # [b, Hq D]
         else:
             out = self._prefill_attention(query, keys, values, valid, bias)  # [b q, Hq D]

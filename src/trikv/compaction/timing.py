@@ -50,7 +50,7 @@ def time_round(model, tokenizer, method: str, tokens: int = 4096, ratio: float =
         model(input_ids=next_token, cache=cache, use_cache=True)
         step = time.perf_counter() - started
     assert cache.rounds == 1, f"expected one round, got {cache.rounds}"
-    live = int((cache.positions[:, :, :, : cache.length] >= 0).sum(-1).max())
+    live = int((cache.visible_positions() >= 0).sum(-1).max())
     return {
         "method": method,
         "text": name,

@@ -40,7 +40,7 @@ def _live(cache: CompressedCache) -> int:
 
 def room(cache, max_chunk: int) -> int:
     """Tokens the next forward may hold without crossing a compression threshold."""
-    if not isinstance(cache, CompressedCache) or cache.budget is None or cache.keys is None:
+    if not isinstance(cache, CompressedCache) or cache.budget is None or cache.batch_size < 0:
         return max_chunk
     if needs_single_steps(cache):
         return 1
@@ -146,7 +146,7 @@ class Feeder:
 
     def _track(self, start: int, end: int) -> None:
         cache = self.cache
-        positions = cache.positions[:, :, :, : cache.length]  # [L, b, Hkv, P]
+        positions = cache.visible_positions()  # [L, b, Hkv, P]
         L, b, H, _ = positions.shape
         if self.log.evict_time is None:
             self.log.evict_time = torch.full((L, b, H, self.track), self.track, dtype=torch.int32)

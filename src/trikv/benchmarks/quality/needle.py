@@ -133,10 +133,9 @@ def run_needle(model, cache_factory, items: list[NeedleItem], max_chunk: int = 1
 
 def _needle_kept(cache, batch: list[NeedleItem]) -> list[float]:
     """Share of (layer, KV head) that still hold the needle's first key digit at the end (1.0 without eviction)."""
-    positions = getattr(cache, "positions", None)
-    if positions is None or getattr(cache, "budget", None) is None:
+    if not hasattr(cache, "visible_positions") or cache.budget is None or cache.batch_size < 0:
         return [1.0] * len(batch)
-    P = positions[:, :, :, : cache.length]
+    P = cache.visible_positions()  # [L, b, Hkv, P]
     out = []
     for row, item in enumerate(batch):
         out.append(float((P[:, row] == item.key_token).any(-1).float().mean()))
