@@ -5,10 +5,10 @@
 
 For each method: decode tokens/s, the share of decode time spent in compression rounds
 (`cache.scoring_seconds`) and in per-step statistics (`cache.observe_seconds`: H2O, VATP, LazyEviction,
-RaaS), the number of rounds, and the K/V bytes right after the last round: `physical` is what the buffers
-hold (`memory_bytes()`, every layer and head at the physical length), `live` counts only live entries.
-They differ for PyramidKV and Ada-KV, which redistribute the budget over layers / heads inside one
-physical length (see their docstrings): their memory is the physical column.
+RaaS), the number of rounds, and the K/V bytes right after the last round: `used` is what the cache's
+slots hold (`memory_bytes()`), `live` counts only live entries, `alloc` is what its buffers occupy
+(`allocated_bytes()`: spare slots for the next `divide_length` tokens and per-slot positions included).
+PyramidKV and Ada-KV use the packed layout (packed.py), so their used bytes equal their live bytes.
 TriAttention runs when the model's bundled statistics exist.
 """
 
@@ -31,7 +31,7 @@ PROMPT = (
 )
 
 
-def run(model, tokenizer, method: str, budget: int, tokens: int, stats) -> dict:
+def run(model, tokenizer, method: str, budget: int, tokens: int, stats, engine: str = "transformers") -> dict:
     options = {"stats": stats} if method.startswith("triattention") else {}
     cache = None
     after_round: list[tuple[int, int]] = []
@@ -43,11 +43,12 @@ def run(model, tokenizer, method: str, budget: int, tokens: int, stats) -> dict:
             rounds = cache.rounds
             original()
             if cache.rounds > rounds:
-                after_round.append((cache.memory_bytes(), _live_bytes(cache)))
+                after_round.append((cache.memory_bytes(), _live_bytes(cache), cache.allocated_bytes()))
 
         cache.compress = compress
     started = time.perf_counter()
-    result = trikv.generate(model, tokenizer, PROMPT, method=method, budget=budget, cache=cache, max_new_tokens=tokens, min_new_tokens=tokens)
+    result = trikv.generate(model, tokenizer, PROMPT, method=method, budget=budget, cache=cache, max_new_tokens=tokens,
+                            min_new_tokens=tokens, engine=engine)
     wall = time.perf_counter() - started
     row = {
         "method": method,
@@ -63,19 +64,23 @@ def run(model, tokenizer, method: str, budget: int, tokens: int, stats) -> dict:
         "peak_entries": result.peak_entries,
     }
     if isinstance(result.cache, CompressedCache):
-        row["physical_bytes_after_round"], row["live_bytes_after_round"] = after_round[-1] if after_round else (result.final_cache_bytes, _live_bytes(result.cache))
+        row["layout"] = result.cache.layout
+        row["physical_bytes_after_round"], row["live_bytes_after_round"], row["allocated_bytes_after_round"] = (
+            after_round[-1] if after_round else (result.final_cache_bytes, _live_bytes(result.cache), result.cache.allocated_bytes()))
         row["query_window_bytes"] = 0 if result.cache.query_window is None else result.cache.query_window.nbytes
     else:
-        row["physical_bytes_after_round"] = row["live_bytes_after_round"] = result.final_cache_bytes
+        row["physical_bytes_after_round"] = row["live_bytes_after_round"] = row["allocated_bytes_after_round"] = result.final_cache_bytes
         row["query_window_bytes"] = 0
+        row["layout"] = "dynamic"
     return row
 
 
 def _live_bytes(cache: CompressedCache) -> int:
-    if cache.keys is None:
+    if cache.batch_size < 0:
         return 0
-    live = int((cache.positions[:, :, :, : cache.length] >= 0).sum())
-    return 2 * live * cache.keys.shape[-1] * cache.keys.element_size()
+    live = int((cache.visible_positions() >= 0).sum())
+    keys = cache.stored_keys(0)
+    return 2 * live * keys.shape[-1] * keys.element_size()
 
 
 def main() -> None:
@@ -85,6 +90,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--engine", default="transformers", choices=["transformers", "lean"])
     parser.add_argument("--json", default=None, help="also write the rows to this JSON file")
     args = parser.parse_args()
     if args.threads:
@@ -101,23 +107,26 @@ def main() -> None:
         if method.startswith("triattention") and stats is None:
             print(f"[bench] skipping {method}: no bundled statistics for {args.model}")
             continue
-        row = run(model, tokenizer, method, args.budget, args.tokens, stats)
+        row = run(model, tokenizer, method, args.budget, args.tokens, stats, args.engine)
         rows.append(row)
         print(f"[bench] {method}: {row['decode_tok_s']:.1f} tok/s, {row['rounds']} rounds, {row['wall_s']:.0f} s", flush=True)
     print()
-    print(f"model {args.model}, budget {args.budget}, {args.tokens} new tokens (min = max), greedy, fp32, {torch.get_num_threads()} threads")
-    header = f"{'method':<13} {'tok/s':>7} {'rounds':>6} {'scoring %':>9} {'observe %':>9} {'KV MiB phys':>11} {'KV MiB live':>11} {'qwin KiB':>8}"
+    print(f"model {args.model}, budget {args.budget}, {args.tokens} new tokens (min = max), greedy, fp32, "
+          f"{torch.get_num_threads()} threads, {args.engine} engine")
+    header = (f"{'method':<13} {'layout':<8} {'tok/s':>7} {'rounds':>6} {'scoring %':>9} {'observe %':>9} {'KV MiB used':>11} "
+              f"{'KV MiB live':>11} {'MiB alloc':>9} {'qwin KiB':>8}")
     print(header)
     print("-" * len(header))
     for row in rows:
         decode = max(row["decode_s"], 1e-9)
         print(
-            f"{row['method']:<13} {row['decode_tok_s']:>7.1f} {row['rounds']:>6} {100 * row['scoring_s'] / decode:>9.1f} "
+            f"{row['method']:<13} {row['layout']:<8} {row['decode_tok_s']:>7.1f} {row['rounds']:>6} {100 * row['scoring_s'] / decode:>9.1f} "
             f"{100 * row['observe_s'] / decode:>9.1f} {row['physical_bytes_after_round'] / 2**20:>11.2f} "
-            f"{row['live_bytes_after_round'] / 2**20:>11.2f} {row['query_window_bytes'] / 2**10:>8.0f}"
+            f"{row['live_bytes_after_round'] / 2**20:>11.2f} {row['allocated_bytes_after_round'] / 2**20:>9.2f} "
+            f"{row['query_window_bytes'] / 2**10:>8.0f}"
         )
-    print("KV MiB: K+V after the last compression round (full: at the end); phys = buffers at the physical length,")
-    print("live = live entries only (they differ for pyramidkv / adakv, whose memory is the physical figure).")
+    print("KV MiB: K+V after the last compression round (full: at the end); used = slots in use (memory_bytes),")
+    print("live = live entries only, alloc = buffers incl. spare slots for the next divide_length tokens and per-slot tags.")
     if args.json:
         with open(args.json, "w") as handle:
             json.dump({"model": args.model, "budget": args.budget, "tokens": args.tokens, "rows": rows}, handle, indent=2)

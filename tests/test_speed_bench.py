@@ -55,6 +55,19 @@ def test_speed_bench_end_to_end(tmp_path, monkeypatch):
     table = (out / "speed.txt").read_text()
     assert "triattention B=16 (no spread)" in table and "identical greedy tokens: True" in table
 
+    # the Markdown page: the run's own table, and targets evaluated from its numbers
+    from trikv.benchmarks.speed_report import targets, write_speed_report
+
+    memory = speed.memory_run(model, None, tiny_stats(model), "triattention", 16, 40, 8, tmp_path / "memory", every=10, progress=False)
+    page = write_speed_report([out, tmp_path / "memory"], tmp_path / "speed.md").read_text()
+    assert "| target | measured | status |" in page and "## Memory run `memory`" in page
+    assert f"most entries per (layer, KV head) at any step: **{memory['max_entries_per_layer_head']}**" in page
+    engine_rows = [row for row in targets(record) if row[0].startswith("lean >= x2")]
+    assert len(engine_rows) == 2 and all(ok == (float(m[1:m.index(",")]) >= 2.0) for _, m, ok in engine_rows)
+    assert (tmp_path / "speed_files").is_dir() and "speed.png" in page
+    with pytest.raises(FileNotFoundError, match="no speed.json or memory.json"):
+        write_speed_report([tmp_path], tmp_path / "bad.md")
+
 
 def test_fill_rotates_tiled_keys_to_their_positions():
     """A tiled key must equal the model's key of the same token at its true position (pure rotation)."""

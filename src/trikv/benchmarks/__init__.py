@@ -25,7 +25,7 @@ class BenchCommand:
 BENCH_COMMANDS: dict[str, BenchCommand] = {}
 
 # modules whose import registers bench subcommands; add yours here (one line)
-BENCH_MODULES = ["trikv.benchmarks.quality.cli", "trikv.benchmarks.speed"]
+BENCH_MODULES = ["trikv.benchmarks.quality.cli", "trikv.benchmarks.speed", "trikv.benchmarks.speed_report"]
 
 
 def register_bench(name: str, add_arguments: Callable[[argparse.ArgumentParser], None], help: str = "") -> None:

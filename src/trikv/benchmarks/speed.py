@@ -506,6 +506,7 @@ class SpeedConfig:
     progress: bool = True
     bandwidth_mb: int = 512  # size of the bandwidth probe
     spread: str = "on"  # TriAttention scores ahead between rounds (trikv.fast): on, off (all scoring at the round) or both
+    command: str = ""  # the command line that started the run (recorded in speed.json)
 
 
 def _log(message: str, config: SpeedConfig) -> None:
@@ -620,6 +621,7 @@ def run_speed(config: SpeedConfig, model=None, tokenizer=None, stats=None) -> di
         engine_check = compare_engines(model, filler, first_token, stats, config, weight_bytes, kv_token, bandwidth["gbps"], stock)
     peer = run_llama_cpp(config, model, seed, filler, results, weight_bytes, bandwidth["gbps"])
     record = {
+        "command": config.command,
         "config": asdict(config),
         "machine": {"platform": platform.platform(), "processor": platform.processor(), "threads": torch.get_num_threads(),
                     "torch": torch.__version__, "bandwidth": bandwidth, "cpu_count": os.cpu_count()},
@@ -938,7 +940,7 @@ def plot(record: dict, path: Path) -> None:
 # ---------------------------------------------------------------------------------------------------------
 @torch.no_grad()
 def memory_run(model, tokenizer, stats, method: str, budget: int, tokens: int, divide_length: int, out: Path,
-               engine: str = "lean", every: int = 64, progress: bool = True) -> dict:
+               engine: str = "lean", every: int = 64, progress: bool = True, command: str = "") -> dict:
     """Generate `tokens` real tokens (greedy, no EOS stop, batch 1) and sample RSS and KV entries over time."""
     from ..cache import make_cache
     from ..lean import LeanEngine
@@ -967,7 +969,8 @@ def memory_run(model, tokenizer, stats, method: str, budget: int, tokens: int, d
             if progress and step % (every * 16) == 0:
                 print(f"[speed] memory run {method}: {samples[-1]['tokens']} tokens, RSS {samples[-1]['rss_mb']:.0f} MiB, "
                       f"{samples[-1]['entries']} entries", file=sys.stderr, flush=True)
-    record = {"method": method, "budget": budget, "divide_length": divide_length, "engine": engine, "tokens": tokens,
+    record = {"command": command, "threads": torch.get_num_threads(), "torch": torch.__version__,
+              "method": method, "budget": budget, "divide_length": divide_length, "engine": engine, "tokens": tokens,
               "max_entries_per_layer_head": max_entries, "limit": budget + divide_length, "rounds": cache.rounds,
               "samples": samples, "seconds": time.perf_counter() - started}
     out.mkdir(parents=True, exist_ok=True)
@@ -1043,7 +1046,7 @@ def speed_main(args) -> int:
         threads=args.threads, stats=args.stats, llama_cpp=not args.no_llama_cpp,
         llama_cpp_threads=args.llama_cpp_threads, engine_check=not args.no_engine_check,
         engine_check_steps=args.engine_check_steps, max_kv_gb=args.max_kv_gb, out=args.out, spread=args.spread,
-        progress=not args.no_progress,
+        progress=not args.no_progress, command="trikv " + " ".join(sys.argv[1:]),
     )
     if args.memory_run:
         if config.threads:
@@ -1052,7 +1055,7 @@ def speed_main(args) -> int:
         stats = _load_stats(config, model)
         method = next((m for m in config.methods if m != "full"), "full")
         record = memory_run(model, tokenizer, stats, method, config.budgets[0], args.memory_run, config.divide_length,
-                            Path(config.out), engine=config.engines[0], progress=config.progress)
+                            Path(config.out), engine=config.engines[0], progress=config.progress, command=config.command)
         print(f"{method} B={record['budget']}: {record['tokens']} tokens, at most {record['max_entries_per_layer_head']} "
               f"entries per (layer, KV head) (limit {record['limit']}), RSS {record['samples'][0]['rss_mb']:.0f} -> "
               f"{record['samples'][-1]['rss_mb']:.0f} MiB, {record['rounds']} rounds")

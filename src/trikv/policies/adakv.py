@@ -54,11 +54,9 @@ class AdaKV(SnapKV):
     (KVCache-Factory `--floor 0.2`, kvpress `alpha_safeguard=0.20`; the official README example uses 0.5);
     SnapKV decode port scores (w = 8, kernel 7, max pooling, max_logit); the shared trigger.
     Source: FFY0/AdaKV; kvpress `AdaKVPress`; reference/baselines.md section 2.5.
-    Memory accounting (read this): the cache keeps one physical length for every head, so after a round
-    each head holds max_h(budget_h) slots and heads with smaller budgets mark their unused slots dead
-    (position -1, masked by trikv's attention functions). Live entries per layer are exactly Hkv x B, but
-    the allocated K/V, which `memory_bytes()` reports, is Hkv x max_h(budget_h) per layer: no memory is
-    saved against SnapKV (the official code's var-len flash-attention layout is not reproduced).
+    Memory: the cache uses the packed layout for this policy (packed.py; the official code's var-len
+    flash-attention layout in plain PyTorch): every head stores exactly its entries, so right after a round
+    a layer holds Hkv x B entries, as for uniform SnapKV. Attention over a packed layer reads every slot once.
     Cost: SnapKV's, plus two sorts over Hkv·N per layer and row per round.
     """
 

@@ -69,11 +69,9 @@ class PyramidKV(SnapKV):
     Defaults: beta = 20 (KVCache-Factory, kvpress), SnapKV decode port (w = 8, kernel 7, max pooling,
     max_logit), the shared trigger. Source: Zefan-Cai/KVCache-Factory `pyramidkv_utils.py`; kvpress
     `PyramidKVPress`; reference/baselines.md section 2.4.
-    Memory accounting (read this): the cache keeps one physical length for every layer, so after a round
-    all layers hold max_l(protected + b_l) slots (about twice the budget) and deeper layers mark their
-    unused slots dead (position -1, masked by trikv's attention functions). Live entries total exactly
-    L x budget per row, but the allocated K/V, which `memory_bytes()` reports, is that of the largest layer:
-    this implementation does not save memory against uniform SnapKV; it reproduces PyramidKV's attention.
+    Memory: the cache uses the packed layout for this policy (packed.py): each layer stores exactly the
+    entries it keeps, so right after a round the K/V bytes are L x Hkv x budget entries, as for uniform
+    SnapKV (`layout="uniform"` gives the dead-slot layout instead, for comparisons).
     Cost: SnapKV's, plus O(L·b) for the budgets.
     """
 
