@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from trikv.analysis.capture import AnalysisShape, analysis_shape, capture_qk
+from trikv.analysis.capture import AnalysisShape, analysis_shape
+from trikv.qk_capture import capture_qk
 from trikv.analysis.concentration import band_contribution, concentration, mean_resultant_length, weighted_mean
 from trikv.analysis.measure import TextAccumulator, lag_dot_sums, log_distances, make_chunks
 from trikv.analysis.reconstruction import distance_mask, pearson, predicted_for_model

@@ -7,7 +7,6 @@ import torch
 from transformers import DynamicCache
 
 import trikv
-from trikv.cache import CompressedCache
 from trikv.policies import REGISTRY
 
 from helpers import VisibleLog, masked_reference_logits, tiny_model

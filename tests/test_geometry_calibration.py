@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from trikv.architectures import attention_modules, model_shape
-from trikv.calibration import QueryStats, StatsAccumulator, calibrate, capture_pre_rope
+from trikv.calibration import QueryStats, calibrate
+from trikv.qk_capture import capture_pre_rope
 from trikv.geometry import RopeGeometry
 
 from helpers import tiny_model

@@ -10,20 +10,19 @@ are included. Sums stream in float64; no vector of a long text is kept.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from . import __version__
-from .architectures import ModelShape, attention_modules, model_shape, modeling_module
+from .architectures import ModelShape, attention_modules, model_shape
 from .geometry import RopeGeometry
+from .qk_capture import capture_pre_rope
 
 STATS_FORMAT = "trikv-query-stats/1"
 _TENSORS = ("q_mean_real", "q_mean_imag", "q_abs_mean")
@@ -32,33 +31,6 @@ _KEY_TENSORS = ("k_mean_real", "k_mean_imag", "k_abs_mean")
 
 class StatsFileError(ValueError):
     """A statistics file is unreadable, malformed, or belongs to another model."""
-
-
-@contextlib.contextmanager
-def capture_pre_rope(model: torch.nn.Module, on_vectors: Callable[[int, torch.Tensor, torch.Tensor], None]) -> Iterator[None]:
-    """Call `on_vectors(layer, q, k)` with the pre-RoPE q [b, Hq, n, D] and k [b, Hkv, n, D] of every layer."""
-    module = modeling_module(model)
-    original = module.apply_rotary_pos_emb
-    current_layer = [-1]
-
-    def rotary_hook(q, k, cos, sin, *args, **kwargs):
-        on_vectors(current_layer[0], q, k)
-        return original(q, k, cos, sin, *args, **kwargs)
-
-    def pre_hook(layer_idx):
-        def hook(module, args):
-            current_layer[0] = layer_idx
-
-        return hook
-
-    handles = [attn.register_forward_pre_hook(pre_hook(i)) for i, attn in enumerate(attention_modules(model))]
-    module.apply_rotary_pos_emb = rotary_hook
-    try:
-        yield
-    finally:
-        module.apply_rotary_pos_emb = original
-        for handle in handles:
-            handle.remove()
 
 
 def weight_signature(model: torch.nn.Module) -> list[float]:

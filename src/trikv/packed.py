@@ -221,7 +221,6 @@ class PackedCache(CompressedCache):
         """Score layer by layer on the unpacked view, select across layers, rewrite every region packed."""
         started = time.perf_counter()
         L, h, budget = self.shape.num_layers, self.shape.num_kv_heads, self.budget
-        b = self.batch_size
         head_slots = [self._head_slots(layer) for layer in range(L)]
         width = max(1, max(int(counts.max()) for _, counts in head_slots))
         positions = torch.stack([self._unpack(l, self.region_positions[l], head_slots[l][0], width, -1) for l in range(L)])  # [L, b, Hkv, N]

@@ -7,7 +7,8 @@ texts), `plots`, `report` (verdict and Markdown), `runner` (`run_analysis`), `cl
 `docs` (project results page from saved JSON).
 """
 
-from .capture import ANALYSIS_FAMILIES, AnalysisShape, analysis_shape, capture_qk
+from ..qk_capture import capture_qk
+from .capture import ANALYSIS_FAMILIES, AnalysisShape, analysis_shape
 from .cli import add_analyze_arguments, analyze_main, load_for_analysis
 from .runner import run_analysis
 from .texts import default_texts, load_text_files

@@ -6,15 +6,13 @@ accepts models with sliding-window layers and per-layer RoPE bases (Gemma3: loca
 instantiated rotary module (`inv_freq`, or `<layer_type>_inv_freq` where the model keeps one per layer
 type), and its own logit scale (`attn.scaling`, e.g. Gemma3's query_pre_attn_scalar**-0.5).
 
-`capture_qk` wraps the modeling module's `apply_rotary_pos_emb` and hands over both the exact pre-RoPE
+`trikv.qk_capture.capture_qk` wraps the modeling module's `apply_rotary_pos_emb` and hands over both the exact pre-RoPE
 vectors (after q_norm/k_norm and biases) and the model's own post-RoPE output.
 """
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
-from typing import Callable, Iterator
 
 import torch
 
@@ -120,35 +118,3 @@ def analysis_shape(model: torch.nn.Module) -> AnalysisShape:
     )
 
 
-QKCallback = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
-
-
-@contextlib.contextmanager
-def capture_qk(model: torch.nn.Module, on_vectors: QKCallback) -> Iterator[None]:
-    """Call `on_vectors(layer, q_pre, k_pre, q_post, k_post)` for every layer; q: [b, Hq, n, D], k: [b, Hkv, n, D].
-
-    q_pre/k_pre are exactly what enters the rotation, q_post/k_post the model's own rotated output.
-    """
-    module = modeling_module(model)
-    original = module.apply_rotary_pos_emb
-    current_layer = [-1]
-
-    def rotary_hook(q, k, cos, sin, *args, **kwargs):
-        q_post, k_post = original(q, k, cos, sin, *args, **kwargs)
-        on_vectors(current_layer[0], q, k, q_post, k_post)
-        return q_post, k_post
-
-    def pre_hook(layer_idx):
-        def hook(module, args):
-            current_layer[0] = layer_idx
-
-        return hook
-
-    handles = [attn.register_forward_pre_hook(pre_hook(i)) for i, attn in enumerate(attention_modules(model))]
-    module.apply_rotary_pos_emb = rotary_hook
-    try:
-        yield
-    finally:
-        module.apply_rotary_pos_emb = original
-        for handle in handles:
-            handle.remove()

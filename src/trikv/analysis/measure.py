@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .capture import AnalysisShape, capture_qk
+from ..qk_capture import capture_qk
+from .capture import AnalysisShape
 
 
 def log_distances(max_distance: int, num: int = 32) -> torch.Tensor:

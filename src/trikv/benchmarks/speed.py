@@ -162,7 +162,7 @@ def make_seed(model, tokenizer=None, length: int = 512) -> SeedKV:
     """A real prefill of `length` tokens: the model's own post-RoPE keys and values of every layer."""
     from transformers import DynamicCache
 
-    from ..calibration import capture_pre_rope
+    from ..qk_capture import capture_pre_rope
     from ..geometry import RopeGeometry
 
     ids = seed_text_ids(tokenizer, model.config.vocab_size, length)

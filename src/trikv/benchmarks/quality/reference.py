@@ -4,46 +4,18 @@ The hidden states (after the final norm) are small ([b, T, hidden]); the referen
 recomputed from them with the model's output head when a method is compared, so no [b, T, vocab] tensor
 is ever held. Post-RoPE keys of every layer and the queries of the sampled positions are captured by
 wrapping the modeling module's `apply_rotary_pos_emb` for the duration of the pass (the same place
-`calibration.capture_pre_rope` reads the pre-RoPE vectors, but its outputs).
+`trikv.qk_capture` serves calibration and analysis).
 """
 
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Callable, Iterator
 
 import torch
 
-from ...architectures import attention_modules, decoder, model_shape, modeling_module
-
-
-@contextlib.contextmanager
-def capture_post_rope(model: torch.nn.Module, on_vectors: Callable[[int, torch.Tensor, torch.Tensor], None]) -> Iterator[None]:
-    """Call `on_vectors(layer, q, k)` with the post-RoPE q [b, Hq, n, D] and k [b, Hkv, n, D] of every layer."""
-    module = modeling_module(model)
-    original = module.apply_rotary_pos_emb
-    current_layer = [-1]
-
-    def rotary_hook(q, k, cos, sin, *args, **kwargs):
-        q_embed, k_embed = original(q, k, cos, sin, *args, **kwargs)
-        on_vectors(current_layer[0], q_embed, k_embed)
-        return q_embed, k_embed
-
-    def pre_hook(layer_idx):
-        def hook(module, args):
-            current_layer[0] = layer_idx
-
-        return hook
-
-    handles = [attn.register_forward_pre_hook(pre_hook(i)) for i, attn in enumerate(attention_modules(model))]
-    module.apply_rotary_pos_emb = rotary_hook
-    try:
-        yield
-    finally:
-        module.apply_rotary_pos_emb = original
-        for handle in handles:
-            handle.remove()
+from ...architectures import attention_modules, decoder, model_shape
+from ...qk_capture import capture_post_rope
 
 
 @torch.no_grad()
