@@ -522,9 +522,10 @@ def _kept_sets(cache):
 @pytest.mark.parametrize("method", ["adakv", "pyramidkv"])
 def test_packed_layout_equals_uniform_layout_and_saves_memory(method):
     """Same selections, tokens and logits as the uniform layout (which keeps dead slots), less memory."""
-    model = tiny_model("llama", attn="sdpa", seed=2)
-    prompts = [torch.randint(1, 96, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (30, 11)]
-    options = dict(method=method, budget=32, divide_length=8, max_new_tokens=60, min_new_tokens=60, return_logits=True)
+    model = tiny_model("qwen2", attn="sdpa", seed=3)
+    # a prompt longer than budget + slack (compressed in the prompt's first round) next to a short one
+    prompts = [torch.randint(1, 96, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (100, 7)]
+    options = dict(method=method, budget=24, divide_length=6, max_new_tokens=50, min_new_tokens=50, return_logits=True)
     uniform = trikv.generate(model, _ByteTokenizer(), prompts, layout="uniform", **options)
     packed = trikv.generate(model, _ByteTokenizer(), prompts, **options)
     assert type(packed.cache).__name__ == "PackedCache" and uniform.cache.layout == "uniform"
@@ -533,7 +534,7 @@ def test_packed_layout_equals_uniform_layout_and_saves_memory(method):
     assert packed.tokens == uniform.tokens
     torch.testing.assert_close(torch.stack(packed.logits), torch.stack(uniform.logits), rtol=0, atol=1e-5)
     assert packed.cache.memory_bytes() < uniform.cache.memory_bytes()
-    assert packed.peak_cache_bytes < uniform.peak_cache_bytes
+    assert packed.peak_cache_bytes <= uniform.peak_cache_bytes  # the long prompt sets both peaks
     # the regions hold at most the uniform allocation of a cache that keeps `budget` everywhere (+ head tags)
     snap = trikv.generate(model, _ByteTokenizer(), prompts, **{**options, "method": "snapkv"})
     assert packed.cache.allocated_bytes() <= snap.cache.allocated_bytes() * (1 + 8 / (2 * 16 * 4)) + 1

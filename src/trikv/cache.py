@@ -293,7 +293,7 @@ class CompressedCache(Cache):
         self.values[layer_idx, :, :, start : start + q] = value_states
         end = start + q
         if self.query_window is not None:  # baselines (issue 3)
-            self._record_queries(layer_idx, start, end)
+            self._record_queries(layer_idx, q, end)
         attention_kwargs = kwargs.get("kwargs")
         if attention_kwargs is not None:  # read by trikv_sdpa / trikv_eager
             attention_kwargs["trikv_active"] = True
@@ -522,15 +522,15 @@ class CompressedCache(Cache):
 
     # ---- baselines (issue 3): recent queries and per-step observation --------------------------------------
     @torch.no_grad()
-    def _record_queries(self, layer_idx: int, start: int, end: int) -> None:
-        """Keep this forward's post-RoPE queries (the tap parked them) and let the policy observe prefill."""
+    def _record_queries(self, layer_idx: int, q: int, end: int) -> None:
+        """Keep this forward's post-RoPE queries of its q tokens (the tap parked them) and let the policy observe
+        prefill; `end` = slots the queries attend."""
         query = take_query()
         if query is None:
             raise RuntimeError(
                 f"{self.policy.name} needs the model's queries but trikv's rotary tap saw none; "
                 "use the cache with the model it was created for"
             )
-        q = end - start
         new_positions = self._new_positions  # [b, q]
         self.query_window.record(layer_idx, query, new_positions, self.seen - q)
         if not self.policy.observes:

@@ -179,7 +179,7 @@ class PackedCache(CompressedCache):
         self.region_heads[layer_idx][:, start:end] = self._head_pattern
         self.region_length[layer_idx] = end
         if self.query_window is not None:
-            self._record_queries(layer_idx, start, end)
+            self._record_queries(layer_idx, q, end)
         if layer_idx == self.shape.num_layers - 1:
             self.peak_bytes = max(self.peak_bytes, self.memory_bytes())
             self.peak_length = max(self.peak_length, self.entries())  # mean used slots per (layer, head)
