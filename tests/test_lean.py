@@ -57,6 +57,24 @@ def test_lean_equals_transformers_with_eviction_and_left_padding(family):
     assert torch.equal(lean.cache.visible_positions(), hf.cache.visible_positions())
 
 
+@pytest.mark.parametrize("threads", [2, 3])
+def test_split_k_gemv_with_several_threads(threads):
+    """With T > 1 threads decode GEMVs are split along the input axis (T partial products): same tokens,
+    logits within float rounding; input sizes T does not divide take the plain GEMV."""
+    from trikv.lean import _linear
+
+    torch.set_num_threads(threads)
+    x, w, bias, residual = torch.randn(2, 48), torch.randn(48, 20), torch.randn(20), torch.randn(2, 20)
+    torch.testing.assert_close(_linear(x, w, bias, residual), residual + x @ w + bias, rtol=0, atol=1e-5)
+    torch.testing.assert_close(_linear(x[:, :47], w[:47], None), x[:, :47] @ w[:47], rtol=0, atol=1e-5)
+    model = tiny_model("qwen2")
+    torch.manual_seed(6)
+    prompts = [torch.randint(1, 96, (n,)).tolist() for n in (21, 8)]
+    hf, lean = _both(model, prompts, method="triattention", stats=tiny_stats(model), budget=24, divide_length=8)
+    assert lean.tokens == hf.tokens
+    torch.testing.assert_close(torch.stack(lean.logits), torch.stack(hf.logits), rtol=0, atol=ATOL)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_lean_equals_transformers_without_eviction(family):
     """Full attention: the lean engine on a trikv cache vs transformers on its own DynamicCache."""

@@ -21,7 +21,8 @@ model's own weights, for llama, qwen2 (q/k/v biases), qwen3 (q_norm / k_norm) an
   validity and per-key bias is the same; attention uses the validity / bias the cache publishes;
 - decode attention as two batched GEMMs per layer over the KV heads ([G, D] x [D, P] per KV head: the
   G query heads of a KV head share one read of its keys, no repeat_kv copy);
-- residual adds fused into the output GEMMs (addmm).
+- residual adds fused into the output GEMMs (addmm);
+- decode GEMVs split along the input axis over the threads (torch runs a GEMV on one thread).
 
 Numerics: the same operations in (almost) the same order as transformers, in the model's dtype; logits
 agree with the transformers path to ~1e-5 in fp32 (tests/test_lean.py) and greedy tokens are identical.
@@ -94,7 +95,28 @@ def _fuse(linears: list[torch.nn.Module], share: bool) -> tuple[torch.Tensor, to
     return weight_t, bias
 
 
-def _linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+SPLIT_K_MAX_ROWS = 4  # GEMMs with more rows (prefill) already use every thread
+
+
+def _linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x [rows, in] @ weight_t [in, out] (+ bias) (+ residual).
+
+    A decode GEMV (one row per sequence) runs on one thread in torch's CPU kernels, whatever
+    `torch.set_num_threads` says. With T > 1 threads it is split along the input axis instead: the T row
+    blocks of weight_t are free views, one batched matmul gives T partial products (one per thread) and
+    a sum adds them, so every thread streams 1/T of the weights. The sum order differs from one GEMV by
+    float rounding only.
+    """
+    threads = torch.get_num_threads()
+    rows, inner = x.shape
+    if threads > 1 and rows <= SPLIT_K_MAX_ROWS and inner % threads == 0 and x.device.type == "cpu":
+        parts = torch.bmm(x.view(rows, threads, inner // threads).transpose(0, 1), weight_t.view(threads, inner // threads, -1))
+        out = parts.sum(0)  # [rows, out]
+        if bias is not None:
+            out = out + bias
+        return out if residual is None else residual + out
+    if residual is not None:
+        return torch.addmm(residual, x, weight_t) if bias is None else residual + torch.addmm(bias, x, weight_t)
     return torch.mm(x, weight_t) if bias is None else torch.addmm(bias, x, weight_t)
 
 
@@ -272,17 +294,12 @@ class LeanEngine:
             out = self._decode_attention(query, keys, values, valid, bias)  # [b, Hq D]
         else:
             out = self._prefill_attention(query, keys, values, valid, bias)  # [b q, Hq D]
-        if layer.o_b is None:
-            x = torch.addmm(x, out, layer.o_wt)  # residual add fused into the GEMM
-        else:
-            x = x + torch.addmm(layer.o_b, out, layer.o_wt)
+        x = _linear(out, layer.o_wt, layer.o_b, residual=x)
         h = F.rms_norm(x, (x.shape[-1],), layer.ln2, layer.eps2)
         gate_up = _linear(h, layer.gate_up_wt, layer.gate_up_b)
         inner = gate_up.shape[-1] // 2
         act = layer.act(gate_up[:, :inner]) * gate_up[:, inner:]
-        if layer.down_b is None:
-            return torch.addmm(x, act, layer.down_wt)
-        return x + torch.addmm(layer.down_b, act, layer.down_wt)
+        return _linear(act, layer.down_wt, layer.down_b, residual=x)
 
     def _prefill_attention(self, query, keys, values, valid, bias):
         """Several new tokens (prefill, prompt chunks): SDPA with the cache's validity and causality."""
@@ -301,7 +318,9 @@ class LeanEngine:
         b, Hkv, P, D = keys.shape
         G = self.group
         qg = (query * self.scaling).reshape(b, Hkv, G, D)
-        logits = torch.matmul(qg, keys.transpose(-1, -2))  # [b, Hkv, G, P]
+        # keys [P, D] times the G queries as a tall-skinny GEMM (rows of keys streamed in order, split over
+        # threads along P), then viewed as [G, P]
+        logits = torch.matmul(keys, qg.transpose(-1, -2)).transpose(-1, -2)  # [b, Hkv, G, P]
         if valid is not None or bias is not None:
             allowed = validity_mask(query, keys, valid)
             if bias is not None:

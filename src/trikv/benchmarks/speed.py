@@ -705,12 +705,14 @@ class WeightFloor:
 
     @torch.no_grad()
     def step(self, record: bool = True) -> None:
+        from ..lean import _linear
+
         started = time.perf_counter()
         if self.layout == "lean":
             for weights in self.gemms:
-                for w in weights:  # [in, out]
-                    torch.mm(self._input(w.shape[0]), w)
-            torch.mm(self.x, self.head)
+                for w in weights:  # [in, out], through the lean engine's GEMV (split over threads)
+                    _linear(self._input(w.shape[0]), w, None)
+            _linear(self.x, self.head, None)
         else:
             for weights in self.gemms:
                 for w in weights:  # [out, in], as transformers' nn.Linear calls it
@@ -718,6 +720,9 @@ class WeightFloor:
             torch.nn.functional.linear(self.x, self.head)
         if record:
             self.step_seconds.append(time.perf_counter() - started)
+
+
+ENGINE_BLOCK = 8  # steps an engine decodes back to back in the engine check
 
 
 def compare_engines(model, filler: Filler, first_token: int, stats, config: SpeedConfig, weight_bytes: int,
@@ -739,10 +744,14 @@ def compare_engines(model, filler: Filler, first_token: int, stats, config: Spee
                 for m, engine in ((model, "lean"), (stock, "transformers"))]
         floor, stock_floor = WeightFloor(model, layout="lean"), WeightFloor(stock, layout="stock")
         runs += [floor, stock_floor]
-        # full attention: the lean engine on a trikv full cache, transformers on its DynamicCache (trikv.generate's choice)
-        for step in range(config.engine_check_steps + config.warmup):
-            for run in (runs if step % 2 else runs[::-1]):
-                run.step(record=step >= config.warmup)
+        # full attention: the lean engine on a trikv full cache, transformers on its DynamicCache (trikv.generate's choice).
+        # Runs alternate in blocks of ENGINE_BLOCK steps (order reversed every block): each engine decodes back to
+        # back as in real use, and load changes reach every run alike.
+        total = config.engine_check_steps + config.warmup
+        for block_start in range(0, total, ENGINE_BLOCK):
+            for run in (runs if (block_start // ENGINE_BLOCK) % 2 else runs[::-1]):
+                for step in range(block_start, min(total, block_start + ENGINE_BLOCK)):
+                    run.step(record=step >= config.warmup)
         lean, hf = (r.result(weight_bytes, kv_token, bandwidth, 0) for r in runs[:2])
         floor_ms = statistics.fmean(floor.step_seconds) * 1e3
         stock_floor_ms = statistics.fmean(stock_floor.step_seconds) * 1e3
