@@ -1,17 +1,16 @@
 """A lean forward path for trikv caches: the supported families' decoder in plain PyTorch.
 
 A decode step of a small model on CPU is the weight GEMVs (every weight read once per step) plus a fixed
-per-step cost. Measured on the bundled SmolLM2-135M (fp32, 2K context, batch 1, this project's 2-core VM;
-`trikv bench speed --engines lean,transformers`): transformers ~50 ms = ~34 ms of weight GEMMs in its
-[out, in] layout + ~17 ms of attention, module calls, hooks, kwargs and ~40 small ops per layer; the lean
-engine ~34 ms = ~26 ms of GEMMs in the transposed layout + ~8 ms. `LeanEngine` runs the same math with the
-model's own weights, for llama, qwen2 (q/k/v biases), qwen3 (q_norm / k_norm) and mistral:
+per-step cost. In transformers' path that fixed cost is large (module calls, hooks, kwargs plumbing, mask
+preparation, ~40 small ops per layer) and its GEMVs run in the [out, in] layout on one thread; the engine
+check of `trikv bench speed --engines lean,transformers` measures both engines and their GEMM floors side by
+side (docs/speed.md). `LeanEngine` runs the same math with the model's own weights, for llama, qwen2 (q/k/v
+biases), qwen3 (q_norm / k_norm) and mistral:
 
 - fused QKV and gate/up weights (one GEMM each), every weight stored transposed ([in, out] row-major):
   a decode GEMV x @ W^T then streams rows of W^T and accumulates along the long output axis, which
-  this CPU runs at ~2x the bandwidth of the dot-product form over [out, in] rows (measured 22 vs 9.5
-  GB/s, one thread). By default the model's own parameters are re-pointed to (transposed) views of these
-  buffers, so nothing is duplicated in memory and the transformers path keeps working on the same
+  CPU BLAS runs faster than the dot-product form over [out, in] rows. By default the model's own
+  parameters are re-pointed to (transposed) views of these buffers, so nothing is duplicated in memory and the transformers path keeps working on the same
   numbers (it then reads the same faster layout: `stock_layout_copy` gives a model with the original one);
 - RoPE computed once per forward with the model's own rotary module (its `inv_freq`, scaling type and
   attention scaling), applied to q and k together as x*cos + roll(x)*sin' (sin' = sin with the first
@@ -19,13 +18,15 @@ model's own weights, for llama, qwen2 (q/k/v biases), qwen3 (q_norm / k_norm) an
 - the trikv cache's preallocated buffers: `CompressedCache.before_forward` / `update` are called
   exactly as the transformers path calls them, so every policy, schedule, padding rule, per-slot
   validity and per-key bias is the same; attention uses the validity / bias the cache publishes;
-- decode attention as two batched GEMMs per layer over the KV heads ([G, D] x [D, P] per KV head: the
-  G query heads of a KV head share one read of its keys, no repeat_kv copy);
+- decode attention as two batched GEMMs per layer over the KV heads (keys [P, D] x [D, G] per KV head:
+  the G query heads of a KV head share one read of its keys, no repeat_kv copy);
+- PyramidKV / Ada-KV's packed regions through `attention.packed_attention`;
 - residual adds fused into the output GEMMs (addmm);
 - decode GEMVs split along the input axis over the threads (torch runs a GEMV on one thread).
 
 Numerics: the same operations in (almost) the same order as transformers, in the model's dtype; logits
-agree with the transformers path to ~1e-5 in fp32 (tests/test_lean.py) and greedy tokens are identical.
+agree with the transformers path to float rounding in fp32 (tests/test_lean.py: 2e-4 on logits of ~10-40)
+and greedy tokens are identical.
 
 Use `trikv.generate(..., engine="lean")`, or `LeanEngine.for_model(model)(input_ids, cache, ...)`.
 """
