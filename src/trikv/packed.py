@@ -184,12 +184,11 @@ class PackedCache(CompressedCache):
             self.peak_bytes = max(self.peak_bytes, self.memory_bytes())
             self.peak_length = max(self.peak_length, self.entries())  # mean used slots per (layer, head)
         attention_kwargs = kwargs.get("kwargs")
-        if attention_kwargs is None:
-            raise RuntimeError("the packed layout needs trikv's attention functions (attach the cache to its model)")
-        attention_kwargs["trikv_active"] = True
-        attention_kwargs["trikv_packed"] = (
-            self.region_positions[layer_idx][:, :end], self.region_heads[layer_idx][:, :end], self._new_positions, h,
-        )
+        if attention_kwargs is not None:  # read by trikv_sdpa / trikv_eager / the lean engine (packed_attention)
+            attention_kwargs["trikv_active"] = True
+            attention_kwargs["trikv_packed"] = (
+                self.region_positions[layer_idx][:, :end], self.region_heads[layer_idx][:, :end], self._new_positions, h,
+            )
         return self.region_keys[layer_idx][:, None, :end], self.region_values[layer_idx][:, None, :end]
 
     # ---- unpacking: a region as the [b, Hkv, n] view policies score --------------------------------
