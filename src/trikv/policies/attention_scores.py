@@ -7,6 +7,7 @@ only extra memory is the [L, b, Hq, w, N] logits of the w window queries (chunke
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Iterator
 
 import torch
@@ -184,6 +185,26 @@ class QueryAttentionPolicy(Policy):
                 f"{self.name} scores with recent queries but the cache recorded none; "
                 "use it through trikv.make_cache / CompressedCache"
             )
+
+
+@dataclass
+class ObservationWindowPolicy(QueryAttentionPolicy):
+    """A policy scored by the attention of the last `window_size` queries, whose tokens it also protects
+    (SnapKV, R-KV and the methods built on them)."""
+
+    window_size: int = 8
+
+    def __post_init__(self):
+        if self.window_size < 1:
+            raise ValueError(f"window_size must be >= 1, got {self.window_size}")
+
+    @property
+    def query_window(self) -> int:
+        return self.window_size
+
+    @property
+    def recent_window(self) -> int:
+        return self.window_size
 
 
 class SlotState:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention_scores import QueryAttentionPolicy, layer_chunks, masked_softmax
+from .attention_scores import ObservationWindowPolicy, layer_chunks, masked_softmax
 from .base import ScoringContext
 from .snapkv import window_importance
 
@@ -45,7 +45,7 @@ def redundancy(keys: torch.Tensor, positions: torch.Tensor, threshold: float) ->
 
 
 @dataclass
-class RKV(QueryAttentionPolicy):
+class RKV(ObservationWindowPolicy):
     """Keep keys that the recent queries need and that are not near-copies of newer keys.
 
     Rule: Z_j = λ·I_j − (1 − λ)·r_j with I = SnapKV-style importance (the last w queries, max over the G
@@ -64,23 +64,13 @@ class RKV(QueryAttentionPolicy):
     name = "rkv"
     rule = "λ·pooled window attention − (1−λ)·key redundancy (λ=0.1, window 8, kernel 7, threshold 0.5)"
     mix_lambda: float = 0.1
-    window_size: int = 8
     kernel_size: int = 7
     similarity_threshold: float = 0.5
 
     def __post_init__(self):
+        super().__post_init__()
         if not 0.0 <= self.mix_lambda <= 1.0:
             raise ValueError(f"mix_lambda must be in [0, 1], got {self.mix_lambda}")
-        if self.window_size < 1:
-            raise ValueError(f"window_size must be >= 1, got {self.window_size}")
-
-    @property
-    def query_window(self) -> int:
-        return self.window_size
-
-    @property
-    def recent_window(self) -> int:
-        return self.window_size
 
     def importance(self, context: ScoringContext) -> torch.Tensor:
         self._require_queries(context)

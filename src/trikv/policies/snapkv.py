@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention_scores import QueryAttentionPolicy, pool1d, window_probabilities
+from .attention_scores import ObservationWindowPolicy, pool1d, window_probabilities
 from .base import ScoringContext
 
 GROUP_RULES = {"max_logit": "max_logit", "mean_prob": "mean"}
@@ -46,7 +46,7 @@ def window_importance(
 
 
 @dataclass
-class SnapKV(QueryAttentionPolicy):
+class SnapKV(ObservationWindowPolicy):
     """Keep the keys the last `window_size` queries attend to most (smoothed over neighbours) + the window.
 
     Rule: score_j = pool_k( mean over the w window queries of a_{t,j} ); keep the top (B - w) plus the w
@@ -62,23 +62,10 @@ class SnapKV(QueryAttentionPolicy):
 
     name = "snapkv"
     rule = "pooled attention of the last 8 queries (observation window) + the window tokens"
-    window_size: int = 8
     kernel_size: int = 7
     pooling: str = "max"
     group_aggregation: str = "max_logit"
     softmax_scope: str = "non_window"
-
-    def __post_init__(self):
-        if self.window_size < 1:
-            raise ValueError(f"window_size must be >= 1, got {self.window_size}")
-
-    @property
-    def query_window(self) -> int:
-        return self.window_size
-
-    @property
-    def recent_window(self) -> int:
-        return self.window_size
 
     def importance(self, context: ScoringContext) -> torch.Tensor:
         self._require_queries(context)
