@@ -51,7 +51,7 @@ def fidelity_task(tiny):
 
 
 # ---- feeding ------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("method", ["triattention", "snapkv", "h2o", "rkv"])
+@pytest.mark.parametrize("method", ["triattention", "snapkv", "h2o", "rkv", "adakv"])
 def test_chunked_feeding_matches_single_steps(tiny, method):
     model, stats = tiny
     options = {"stats": stats} if method == "triattention" else {}
