@@ -87,6 +87,7 @@ def test_demo_command_runs_end_to_end():
     for needle in ("KV cache bytes, peak", "decode tokens/s", "agreement, first 40 tokens", "full attention, first lines", "TriAttention, first lines"):
         assert needle in out
     assert "compression rounds" in out
+    assert "engine: lean" in out
 
 
 def test_generate_command_with_streaming(tmp_path):

@@ -123,13 +123,16 @@ def _add_demo(sub) -> None:
     p.add_argument("--new-tokens", type=int, default=1500)
     p.add_argument("--compare-first", type=int, default=None, help="agreement is measured on the first N tokens (default: all)")
     p.add_argument("--prompt", help="override the default prompt")
+    p.add_argument("--engine", default="lean", choices=["lean", "transformers"],
+                   help="decode loop for both runs: trikv's lean engine (default) or the transformers model forward")
     p.set_defaults(func=cmd_demo)
 
 
 def cmd_demo(args) -> int:
     from .demo import DEFAULT_PROMPT, run_demo
 
-    run_demo(args.model, args.stats, args.budget, args.divide_length, args.new_tokens, args.prompt or DEFAULT_PROMPT, args.compare_first)
+    run_demo(args.model, args.stats, args.budget, args.divide_length, args.new_tokens, args.prompt or DEFAULT_PROMPT,
+             args.compare_first, engine=args.engine)
     return 0
 
 

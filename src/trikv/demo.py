@@ -62,13 +62,15 @@ def run_demo(
     prompt: str = DEFAULT_PROMPT,
     compare_first: int | None = None,
     progress: bool = True,
+    engine: str = "lean",
 ) -> str:
     torch.set_num_threads(max(1, torch.get_num_threads()))
     print(f"[trikv demo] loading {model_name} ...", flush=True)
     model, tokenizer = load_model(model_name)
     stats = load_stats(stats_path or model_name, model)
     print(f"[trikv demo] stats: {stats.metadata.get('calibration_source')} ({stats.metadata.get('token_count')} tokens)")
-    common = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, progress=progress)
+    print(f"[trikv demo] engine: {engine}, {torch.get_num_threads()} threads", flush=True)
+    common = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, progress=progress, engine=engine)
     started = time.perf_counter()
     full = generate(model, tokenizer, prompt, method="full", **common)
     full_wall = time.perf_counter() - started
