@@ -564,3 +564,15 @@ def test_packed_layout_bad_input():
         trikv.make_cache(model, "full", budget=None, layout="packed")
     assert trikv.make_cache(model, "snapkv", budget=32, layout="packed").layout == "packed"
     assert trikv.make_cache(model, "adakv", budget=32).layout == "packed"
+
+
+def test_packed_layout_follows_beam_search_reordering():
+    model = tiny_model("llama", attn="sdpa", seed=3)
+    ids = torch.randint(1, 96, (1, 30), generator=torch.Generator().manual_seed(1))
+    outputs = {}
+    for layout in ("uniform", "packed"):
+        cache = trikv.make_cache(model, "adakv", budget=24, divide_length=6, layout=layout, protect_prompt=False)
+        outputs[layout] = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=30,
+                                         num_beams=2, do_sample=False, pad_token_id=0)
+        assert cache.rounds >= 4 and cache.layout == layout
+    assert torch.equal(outputs["packed"], outputs["uniform"])
