@@ -535,9 +535,11 @@ def test_packed_layout_equals_uniform_layout_and_saves_memory(method):
     torch.testing.assert_close(torch.stack(packed.logits), torch.stack(uniform.logits), rtol=0, atol=1e-5)
     assert packed.cache.memory_bytes() < uniform.cache.memory_bytes()
     assert packed.peak_cache_bytes <= uniform.peak_cache_bytes  # the long prompt sets both peaks
-    # the regions hold at most the uniform allocation of a cache that keeps `budget` everywhere (+ head tags)
+    # the regions hold at most the uniform allocation of a cache that keeps `budget` everywhere, plus per slot
+    # its head tag (1 byte) and its decode mask entries (Hkv x 4 bytes), against 2 x head_dim x 4 bytes of K/V
     snap = trikv.generate(model, _ByteTokenizer(), prompts, **{**options, "method": "snapkv"})
-    assert packed.cache.allocated_bytes() <= snap.cache.allocated_bytes() * (1 + 8 / (2 * 16 * 4)) + 1
+    Hkv, D = model.config.num_key_value_heads, model.config.hidden_size // model.config.num_attention_heads
+    assert packed.cache.allocated_bytes() <= snap.cache.allocated_bytes() * (1 + (1 + 4 * Hkv) / (2 * D * 4))
 
 
 @pytest.mark.parametrize("method", ["adakv", "pyramidkv"])

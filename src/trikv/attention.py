@@ -61,13 +61,21 @@ def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     """Attention over a packed cache region (baselines, issue 3: PyramidKV / Ada-KV store only what each head keeps).
 
     query [b, Hq, q, D]; key / value [b, 1, S, D]: the slots of every KV head of one layer in one axis;
-    slots = (slot_positions [b, S], slot_heads [b, S], query_positions [b, q], num_kv_heads). A query head
-    sees the live slots of its own KV head up to its own position: one multi-query matmul over the region
-    (every slot is read once; the logits against other heads' slots are computed and masked, Hkv x the
-    FLOPs of a per-head layout). Returns [b, q, Hq, D] like transformers' attention functions.
+    slots = (slot_positions [b, S], slot_heads [b, S], query_positions [b, q], num_kv_heads, slot_bias
+    [b, S, Hkv]: 0 on each KV head's live slots, the dtype's minimum elsewhere). A query head sees the live
+    slots of its own KV head up to its own position: one multi-query matmul over the region (every slot is
+    read once; the logits against other heads' slots are computed and masked, Hkv x the FLOPs of a per-head
+    layout). Decoding (q = 1) adds the cache's slot_bias (no mask is built per step); several queries build
+    the causal mask from positions. Returns [b, q, Hq, D] like transformers' attention functions.
     """
-    slot_positions, slot_heads, query_positions, num_kv_heads = slots
+    slot_positions, slot_heads, query_positions, num_kv_heads, slot_bias = slots
     b, Hq, q, D = query.shape
+    if q == 1:
+        keys, values, S = key[:, 0], value[:, 0], key.shape[2]  # [b, S, D]
+        logits = torch.matmul(keys, (query.reshape(b, Hq, D) * scaling).transpose(-1, -2)).transpose(-1, -2)  # [b, Hq, S]
+        logits = logits.view(b, num_kv_heads, Hq // num_kv_heads, S) + slot_bias.transpose(1, 2)[:, :, None, :]
+        probs = torch.softmax(logits, dim=-1).view(b, Hq, S)
+        return torch.matmul(probs, values).view(b, 1, Hq, D)
     head_of_query = torch.arange(Hq, device=query.device) // (Hq // num_kv_heads)  # [Hq]
     same_head = slot_heads[:, None, None, :] == head_of_query[None, :, None, None]  # [b, Hq, 1, S]
     key_position = slot_positions[:, None, None, :]  # [b, 1, 1, S]

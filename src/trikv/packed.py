@@ -7,7 +7,9 @@ its KV heads, each slot tagged with its KV head and RoPE position.
 
     region_keys[l]      [b, capacity_l, D]  keys of every head of layer l, in one axis
     region_positions[l] [b, capacity_l]     RoPE position of each slot, -1 = dead
-    region_heads[l]     [b, capacity_l]     KV head of each slot
+    region_heads[l]     [b, capacity_l]     KV head of each slot (int8)
+    region_bias[l]      [b, capacity_l, Hkv] 0 where the slot is a live entry of that KV head, else the dtype's
+                                             minimum: the decode attention mask, kept up to date as slots change
 
 A forward appends one slot per (token, KV head) at the end of each region. Attention reads a region as a
 single multi-query head and masks other heads' slots (`attention.packed_attention`). A round unpacks one
@@ -55,7 +57,8 @@ class PackedCache(CompressedCache):
         self.region_keys: list[torch.Tensor] = []  # per layer [b, capacity_l, D]
         self.region_values: list[torch.Tensor] = []
         self.region_positions: list[torch.Tensor] = []  # per layer [b, capacity_l] long, -1 = dead
-        self.region_heads: list[torch.Tensor] = []  # per layer [b, capacity_l] long
+        self.region_heads: list[torch.Tensor] = []  # per layer [b, capacity_l] int8
+        self.region_bias: list[torch.Tensor] = []  # per layer [b, capacity_l, Hkv], model dtype
         self.region_length: list[int] = []  # used slots per layer (the same for every row)
         self.peak_bytes = 0
         self._head_pattern: torch.Tensor | None = None  # [Hkv * q] KV head of the slots one forward appends
@@ -86,7 +89,7 @@ class PackedCache(CompressedCache):
 
     def allocated_bytes(self) -> int:
         """Bytes the regions occupy, spare slots and per-slot position / head tags included."""
-        return sum(t.nbytes for group in (self.region_keys, self.region_values, self.region_positions, self.region_heads) for t in group)
+        return sum(t.nbytes for group in self._regions() for t in group)
 
     def peak_memory_bytes(self) -> int:
         return max(self.peak_bytes, self.memory_bytes())
@@ -114,18 +117,32 @@ class PackedCache(CompressedCache):
         return torch.stack([self._unpack(l, self.region_positions[l], slot_index[l], width, -1) for l in range(self.shape.num_layers)])
 
     # ---- storage ----------------------------------------------------------------------------------
+    def _regions(self) -> list[list[torch.Tensor]]:
+        return [self.region_keys, self.region_values, self.region_positions, self.region_heads, self.region_bias]
+
+    def _fills(self) -> tuple:
+        """Value of an unused slot in each of `_regions()`."""
+        return (0, 0, -1, 0, torch.finfo(self.region_keys[0].dtype).min)
+
     def _allocate_regions(self, batch: int, dtype, device, slots: int) -> None:
-        L, d = self.shape.num_layers, self.shape.head_dim
+        L, d, h = self.shape.num_layers, self.shape.head_dim, self.shape.num_kv_heads
         self.region_keys = [torch.zeros(batch, slots, d, dtype=dtype, device=device) for _ in range(L)]
         self.region_values = [torch.zeros(batch, slots, d, dtype=dtype, device=device) for _ in range(L)]
         self.region_positions = [torch.full((batch, slots), -1, dtype=torch.long, device=device) for _ in range(L)]
-        self.region_heads = [torch.zeros(batch, slots, dtype=torch.long, device=device) for _ in range(L)]
+        self.region_heads = [torch.zeros(batch, slots, dtype=torch.int8, device=device) for _ in range(L)]
+        self.region_bias = [torch.full((batch, slots, h), torch.finfo(dtype).min, dtype=dtype, device=device) for _ in range(L)]
         self.region_length = [0] * L
+
+    def _slot_bias(self, heads: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """[b, n, Hkv]: 0 where slot n is a live entry of that KV head, the dtype's minimum elsewhere."""
+        dtype = self.region_keys[0].dtype
+        own = (heads[..., None] == torch.arange(self.shape.num_kv_heads, device=heads.device)) & (positions >= 0)[..., None]
+        return torch.zeros((), dtype=dtype, device=heads.device).masked_fill(~own, torch.finfo(dtype).min)
 
     def _resize_region(self, layer: int, slots: int) -> None:
         """Reallocate one layer's region to `slots` slots, keeping its used ones."""
         n = self.region_length[layer]
-        for group, fill in ((self.region_keys, 0), (self.region_values, 0), (self.region_positions, -1), (self.region_heads, 0)):
+        for group, fill in zip(self._regions(), self._fills()):
             old = group[layer]
             new = old.new_full((old.shape[0], slots, *old.shape[2:]), fill)
             new[:, :n] = old[:, :n]
@@ -140,7 +157,7 @@ class PackedCache(CompressedCache):
                 self._resize_region(layer, slots)
 
     def _select_stored_rows(self, index: torch.Tensor) -> None:
-        for group in (self.region_keys, self.region_values, self.region_positions, self.region_heads):
+        for group in self._regions():
             group[:] = [t.index_select(0, index) for t in group]
 
     # ---- forward ----------------------------------------------------------------------------------
@@ -159,6 +176,7 @@ class PackedCache(CompressedCache):
         self._new_slot_positions = self._new_positions.repeat_interleave(h, dim=1)  # [b, q*h], token-major
         if self._head_pattern is None or self._head_pattern.numel() != q * h:
             self._head_pattern = torch.arange(h, device=key_states.device).repeat(q)
+        self._new_slot_bias = self._slot_bias(self._head_pattern[None].expand(b, -1), self._new_slot_positions)  # [b, q*h, Hkv]
         if not self.decoding and q >= 1:
             self.prompt_length = self.seen + q
         self.length += q
@@ -177,6 +195,7 @@ class PackedCache(CompressedCache):
         self.region_values[layer_idx][:, start:end] = value_states.transpose(1, 2).reshape(b, q * h, d)
         self.region_positions[layer_idx][:, start:end] = self._new_slot_positions
         self.region_heads[layer_idx][:, start:end] = self._head_pattern
+        self.region_bias[layer_idx][:, start:end] = self._new_slot_bias
         self.region_length[layer_idx] = end
         if self.query_window is not None:
             self._record_queries(layer_idx, q, end)
@@ -188,6 +207,7 @@ class PackedCache(CompressedCache):
             attention_kwargs["trikv_active"] = True
             attention_kwargs["trikv_packed"] = (
                 self.region_positions[layer_idx][:, :end], self.region_heads[layer_idx][:, :end], self._new_positions, h,
+                self.region_bias[layer_idx][:, :end],
             )
         return self.region_keys[layer_idx][:, None, :end], self.region_values[layer_idx][:, None, :end]
 
@@ -196,7 +216,7 @@ class PackedCache(CompressedCache):
         """Index of every used slot in the flat [Hkv * width] per-head view (head * width + rank inside the
         head; dead slots -> -1 until a width is chosen) and live entries per head [b, Hkv]."""
         n, h = self.region_length[layer], self.shape.num_kv_heads
-        heads = self.region_heads[layer][:, :n]
+        heads = self.region_heads[layer][:, :n].long()
         live = self.region_positions[layer][:, :n] >= 0
         one_hot = (heads[..., None] == torch.arange(h, device=heads.device)) & live[..., None]  # [b, n, Hkv]
         rank = one_hot.cumsum(1).gather(2, heads[..., None]).squeeze(-1) - 1  # slot order = position order in a head
@@ -206,7 +226,7 @@ class PackedCache(CompressedCache):
         """[b, n(, D)] per-slot values of one region -> [b, Hkv, width(, D)] (fill where a head has no entry)."""
         n, h = self.region_length[layer], self.shape.num_kv_heads
         b = slot_values.shape[0]
-        heads = self.region_heads[layer][:, :n]
+        heads = self.region_heads[layer][:, :n].long()
         flat = torch.where(slot_index >= 0, heads * width + slot_index, h * width)  # dead slots -> a spill column
         tail = slot_values.shape[2:]
         out = slot_values.new_full((b, h * width + 1, *tail), fill)
@@ -273,7 +293,7 @@ class PackedCache(CompressedCache):
     def _repack(self, layer: int, keep: torch.Tensor, slot_index: torch.Tensor, width: int, gap: int) -> None:
         """Rewrite one region as its kept slots (head-major, position order) + room for `gap` tokens."""
         n, h = self.region_length[layer], self.shape.num_kv_heads
-        heads = self.region_heads[layer][:, :n]
+        heads = self.region_heads[layer][:, :n].long()
         b = heads.shape[0]
         flat = torch.where(slot_index >= 0, heads * width + slot_index, h * width)
         kept = torch.cat([keep.reshape(b, h * width), keep.new_zeros(b, 1)], 1).gather(1, flat)  # [b, n]
@@ -282,11 +302,12 @@ class PackedCache(CompressedCache):
         order = order_key.argsort(dim=1)[:, :kept_count]  # [b, kept_count]
         valid = kept.gather(1, order)
         capacity = kept_count + h * gap
-        for group, fill in ((self.region_keys, 0), (self.region_values, 0), (self.region_positions, -1), (self.region_heads, 0)):
+        for group, fill in zip(self._regions(), self._fills()):
             old = group[layer]
             new = old.new_full((b, capacity, *old.shape[2:]), fill)
             gather_index = order.view(b, kept_count, *([1] * (old.dim() - 2))).expand(b, kept_count, *old.shape[2:])
             new[:, :kept_count] = old.gather(1, gather_index)
             group[layer] = new
         self.region_positions[layer][:, :kept_count].masked_fill_(~valid, -1)  # rows that keep fewer: dead tail
+        self.region_bias[layer][:, :kept_count].masked_fill_(~valid[..., None], torch.finfo(self.region_bias[layer].dtype).min)
         self.region_length[layer] = kept_count
