@@ -302,22 +302,27 @@ class CompressedCache(Cache):
             attention_kwargs["trikv_bias"] = self.biases[layer_idx, :, :, :end] if self._has_bias else None
         return self.keys[layer_idx, :, :, :end], self.values[layer_idx, :, :, :end]
 
-    def _begin_forward(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        b, h, q, d = key_states.shape
+    def _refuse_missed_round(self) -> None:
         if self.budget is not None and self.length - self._excess_slots >= self.budget + self.divide_length:
             raise RuntimeError(
                 "a compression round is due but the trikv pre-hook did not run; "
                 "use the cache with the model it was created for"
             )
+
+    def _new_token_positions(self, batch: int, q: int, device) -> torch.Tensor:
+        """[b, q] RoPE positions of the q tokens about to be appended: logical index minus the row's padding, -1 on pads."""
+        logical = torch.arange(self.seen, self.seen + q, device=device)
+        positions = logical[None, :] - self._pads(batch, device)[:, None]
+        return positions.masked_fill(positions < 0, -1)
+
+    def _begin_forward(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        b, h, q, d = key_states.shape
+        self._refuse_missed_round()
         if self.keys is None:
             self._allocate(b, key_states.dtype, key_states.device, max(q, self._target_capacity()))
         elif self.length + q > self.capacity:
             self._grow(self.length + q)
-        # positions of the new tokens: logical index minus the row's padding, -1 on pads
-        logical = torch.arange(self.seen, self.seen + q, device=key_states.device)
-        pads = self._pads(b, key_states.device)
-        positions = logical[None, :] - pads[:, None]  # [b, q]
-        positions = positions.masked_fill(positions < 0, -1)
+        positions = self._new_token_positions(b, q, key_states.device)  # [b, q]
         self._new_positions = positions
         self.positions[:, :, :, self.length : self.length + q] = positions[None, :, None, :]
         if self.biases is not None:  # compaction (issue 5): new tokens carry no bias

@@ -163,16 +163,10 @@ class PackedCache(CompressedCache):
     # ---- forward ----------------------------------------------------------------------------------
     def _begin_forward(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         b, h, q, d = key_states.shape
-        if self.length - self._excess_slots >= self.budget + self.divide_length:
-            raise RuntimeError(
-                "a compression round is due but the trikv pre-hook did not run; "
-                "use the cache with the model it was created for"
-            )
+        self._refuse_missed_round()
         if not self.region_keys:
             self._allocate_regions(b, key_states.dtype, key_states.device, h * max(q, self._target_capacity()))
-        logical = torch.arange(self.seen, self.seen + q, device=key_states.device)
-        positions = logical[None, :] - self._pads(b, key_states.device)[:, None]  # [b, q]
-        self._new_positions = positions.masked_fill(positions < 0, -1)
+        self._new_positions = self._new_token_positions(b, q, key_states.device)  # [b, q]
         self._new_slot_positions = self._new_positions.repeat_interleave(h, dim=1)  # [b, q*h], token-major
         if self._head_pattern is None or self._head_pattern.numel() != q * h:
             self._head_pattern = torch.arange(h, device=key_states.device).repeat(q)
@@ -222,12 +216,17 @@ class PackedCache(CompressedCache):
         rank = one_hot.cumsum(1).gather(2, heads[..., None]).squeeze(-1) - 1  # slot order = position order in a head
         return torch.where(live, rank, -1), one_hot.sum(1)
 
+    def _flat_index(self, layer: int, slot_index: torch.Tensor, width: int) -> torch.Tensor:
+        """[b, n] position of each used slot in the flat [Hkv * width] per-head view; dead slots -> Hkv * width
+        (a spill column past the view)."""
+        heads = self.region_heads[layer][:, : self.region_length[layer]].long()
+        return torch.where(slot_index >= 0, heads * width + slot_index, self.shape.num_kv_heads * width)
+
     def _unpack(self, layer: int, slot_values: torch.Tensor, slot_index: torch.Tensor, width: int, fill) -> torch.Tensor:
         """[b, n(, D)] per-slot values of one region -> [b, Hkv, width(, D)] (fill where a head has no entry)."""
         n, h = self.region_length[layer], self.shape.num_kv_heads
         b = slot_values.shape[0]
-        heads = self.region_heads[layer][:, :n].long()
-        flat = torch.where(slot_index >= 0, heads * width + slot_index, h * width)  # dead slots -> a spill column
+        flat = self._flat_index(layer, slot_index, width)
         tail = slot_values.shape[2:]
         out = slot_values.new_full((b, h * width + 1, *tail), fill)
         index = flat.view(b, n, *([1] * len(tail))).expand(b, n, *tail)
@@ -293,9 +292,8 @@ class PackedCache(CompressedCache):
     def _repack(self, layer: int, keep: torch.Tensor, slot_index: torch.Tensor, width: int, gap: int) -> None:
         """Rewrite one region as its kept slots (head-major, position order) + room for `gap` tokens."""
         n, h = self.region_length[layer], self.shape.num_kv_heads
-        heads = self.region_heads[layer][:, :n].long()
-        b = heads.shape[0]
-        flat = torch.where(slot_index >= 0, heads * width + slot_index, h * width)
+        flat = self._flat_index(layer, slot_index, width)
+        b = flat.shape[0]
         kept = torch.cat([keep.reshape(b, h * width), keep.new_zeros(b, 1)], 1).gather(1, flat)  # [b, n]
         kept_count = int(kept.sum(-1).max())
         order_key = torch.where(kept, flat, h * width + 1 + torch.arange(n, device=flat.device))  # kept first, in head order
