@@ -8,6 +8,17 @@ sys.path.insert(0, os.path.dirname(__file__))
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
 
+@pytest.fixture
+def one_thread():
+    """One torch thread for the test, restored after it: tiny models gain nothing from threads, and on a busy
+    2-core machine every OpenMP parallel region waits for a core. Modules opt in with
+    `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 @pytest.fixture(scope="session")
 def real_model():
     """The bundled SmolLM2-135M-Instruct (converted from its GGUF on first use)."""

@@ -23,13 +23,7 @@ BASELINES = ["streaming", "h2o", "snapkv", "pyramidkv", "adakv", "tova", "knorm"
 SMALL = {"lazyeviction": dict(window=8), "rpc": dict(selector_window=8)}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models gain nothing from threads, and a busy 2-core machine makes OpenMP spin."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class _ByteTokenizer:

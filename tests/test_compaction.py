@@ -43,13 +43,7 @@ from stats_fixtures import tiny_stats
 SMALL_TAM = dict(interval=16, selector_window=8, protected_tail=4)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models on a shared 2-core machine: one thread avoids OpenMP spin-wait collapse (restored after)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 _MODELS: dict = {}

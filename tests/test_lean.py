@@ -15,13 +15,7 @@ from helpers import tiny_model
 from stats_fixtures import tiny_stats
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models gain nothing from threads, and on a busy machine every parallel region waits for a core."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral"]
 ATOL = 2e-4  # fp32 logits of the tiny models are ~10-40; the engines differ only in summation order

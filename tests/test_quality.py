@@ -26,13 +26,7 @@ class KeepOldest(Policy):
         return -context.positions.float()
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """These tests run many small forwards: one thread avoids OpenMP spin-waits on a shared machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -15,13 +15,7 @@ from helpers import tiny_model
 from stats_fixtures import tiny_stats
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models gain nothing from threads, and on a busy machine every parallel region waits for a core."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_speed_bench_end_to_end(tmp_path, monkeypatch):
