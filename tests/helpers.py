@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 from transformers.modeling_utils import AttentionInterface
 
 from trikv.cache import CompressedCache, decoder
+from trikv.compat import cache_kwargs
 
 TINY = dict(
     hidden_size=64,
@@ -60,7 +61,7 @@ class VisibleLog:
         self.handle = decoder(model).register_forward_hook(self._hook, with_kwargs=True)
 
     def _hook(self, module, args, kwargs, output):
-        cache = kwargs.get("cache")
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
         if isinstance(cache, CompressedCache):
             self.visible.append(cache.visible_positions().clone())
 
@@ -132,7 +133,7 @@ def masked_reference_logits(model, input_ids, attention_mask, generated, visible
         _STATE["allowed"] = allowed_keys[:, :, :, None, :] & causal[None, None, None]
         position_ids = (mask2d.cumsum(-1) - 1).masked_fill(mask2d == 0, 0)[:, seen:total]
         with attention_implementation(model, "trikv_test_masked"):
-            out = model(input_ids=tokens, position_ids=position_ids, cache=cache, use_cache=True)
+            out = model(input_ids=tokens, position_ids=position_ids, **cache_kwargs(model, cache), use_cache=True)
         outputs.append(out.logits[:, -1].float())
         seen = total
     return torch.stack(outputs)

@@ -13,6 +13,7 @@ from trikv.calibration import StatsFileError, calibrate
 
 from helpers import tiny_model
 from stats_fixtures import tiny_stats
+from trikv.compat import cache_kwargs
 
 
 def _saved_stats(tmp_path, model, name="stats.safetensors"):
@@ -150,7 +151,7 @@ def test_right_padding_is_refused():
     model = tiny_model("llama")
     cache = trikv.make_cache(model, "streaming", budget=16)
     with pytest.raises(ValueError, match="left padding"):
-        model(input_ids=torch.ones(2, 4, dtype=torch.long), attention_mask=torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]]), cache=cache)
+        model(input_ids=torch.ones(2, 4, dtype=torch.long), attention_mask=torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]]), **cache_kwargs(model, cache))
 
 
 def test_prompt_too_long_for_protection_competes_and_warns(caplog):

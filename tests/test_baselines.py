@@ -17,6 +17,7 @@ from trikv.policies.lazy_eviction import recurrence_importance
 from trikv.policies.pyramidkv import pyramid_budgets
 
 from helpers import VisibleLog, masked_reference_logits, tiny_model
+from trikv.compat import cache_kwargs
 
 BASELINES = ["streaming", "h2o", "snapkv", "pyramidkv", "adakv", "tova", "knorm", "rkv", "lazyeviction", "raas", "rpc", "vatp"]
 # small windows so that a budget of 40 leaves room for selection in the tiny-model runs
@@ -80,7 +81,7 @@ def _reference(attn):
         model = tiny_model("llama", attn=attn)
         prompt = torch.randint(1, 96, (1, 36), generator=torch.Generator().manual_seed(3))
         out = model.generate(
-            input_ids=prompt, attention_mask=torch.ones_like(prompt), cache=DynamicCache(config=model.config),
+            input_ids=prompt, attention_mask=torch.ones_like(prompt), **cache_kwargs(model, DynamicCache(config=model.config)),
             max_new_tokens=20, min_new_tokens=20, do_sample=False, return_dict_in_generate=True, output_logits=True, pad_token_id=0,
         )
         _REFERENCE[attn] = (model, prompt, out)
@@ -93,7 +94,7 @@ def test_no_eviction_matches_dynamic_cache(method, attn):
     model, prompt, reference = _reference(attn)
     cache = trikv.make_cache(model, method, budget=512, **SMALL.get(method, {}))
     ours = model.generate(
-        input_ids=prompt, attention_mask=torch.ones_like(prompt), cache=cache,
+        input_ids=prompt, attention_mask=torch.ones_like(prompt), **cache_kwargs(model, cache),
         max_new_tokens=20, min_new_tokens=20, do_sample=False, return_dict_in_generate=True, output_logits=True, pad_token_id=0,
     )
     assert cache.rounds == 0
@@ -195,8 +196,8 @@ def test_captured_queries_reproduce_the_models_attention():
     cache = trikv.make_cache(model, "snapkv", budget=512, window_size=4)
     ids = torch.randint(1, 96, (1, 20), generator=torch.Generator().manual_seed(9))
     with torch.no_grad():
-        out = model(input_ids=ids, cache=cache, output_attentions=True)
-        step = model(input_ids=torch.tensor([[7]]), cache=cache, output_attentions=True)
+        out = model(input_ids=ids, **cache_kwargs(model, cache), output_attentions=True)
+        step = model(input_ids=torch.tensor([[7]]), **cache_kwargs(model, cache), output_attentions=True)
     window = cache.query_window
     assert window.positions.sort().values.tolist() == [[17, 18, 19, 20]]
     n = cache.length
@@ -217,11 +218,11 @@ def test_h2o_accumulates_every_query_of_prefill_and_decode():
     ids = torch.randint(1, 96, (1, 15), generator=torch.Generator().manual_seed(4))
     G = cache.shape.group_size
     with torch.no_grad():
-        out = model(input_ids=ids, cache=cache, output_attentions=True)
+        out = model(input_ids=ids, **cache_kwargs(model, cache), output_attentions=True)
         expected = torch.stack([a[0].sum(1) for a in out.attentions])  # [L, Hq, 15] summed over queries
         expected = torch.nn.functional.pad(expected, (0, 3))
         for token in (5, 6, 7):
-            step = model(input_ids=torch.tensor([[token]]), cache=cache, output_attentions=True)
+            step = model(input_ids=torch.tensor([[token]]), **cache_kwargs(model, cache), output_attentions=True)
             if token != 7:  # the last step is observed before the next forward
                 expected += torch.nn.functional.pad(torch.stack([a[0, :, 0] for a in step.attentions]), (0, 18 - step.attentions[0].shape[-1]))
     accumulated = cache.policy.state["attention"]  # [L, 1, Hkv, 17]: the 18th token is not observed yet
@@ -568,7 +569,7 @@ def test_packed_layout_follows_beam_search_reordering():
     outputs = {}
     for layout in ("uniform", "packed"):
         cache = trikv.make_cache(model, "adakv", budget=24, divide_length=6, layout=layout, protect_prompt=False)
-        outputs[layout] = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=30,
+        outputs[layout] = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **cache_kwargs(model, cache), max_new_tokens=30,
                                          num_beams=2, do_sample=False, pad_token_id=0)
         assert cache.rounds >= 4 and cache.layout == layout
     assert torch.equal(outputs["packed"], outputs["uniform"])

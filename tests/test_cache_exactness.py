@@ -11,6 +11,7 @@ from trikv.policies import REGISTRY
 
 from helpers import VisibleLog, masked_reference_logits, tiny_model
 from stats_fixtures import tiny_stats
+from trikv.compat import cache_kwargs
 
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral"]
 
@@ -20,7 +21,7 @@ def _generate(model, input_ids, cache, **kwargs):
     return model.generate(
         input_ids=input_ids,
         attention_mask=torch.ones_like(input_ids),
-        cache=cache,
+        **cache_kwargs(model, cache),
         max_new_tokens=24,
         min_new_tokens=24,
         return_dict_in_generate=True,
@@ -135,7 +136,7 @@ def test_chunked_prefill_compresses_as_cache_fills():
             for start in range(0, 200, 50):
                 chunk = prompt[:, start : start + 50]
                 positions = torch.arange(start, start + 50)[None]
-                logits.append(model(input_ids=chunk, position_ids=positions, cache=cache).logits[:, -1])
+                logits.append(model(input_ids=chunk, position_ids=positions, **cache_kwargs(model, cache)).logits[:, -1])
     finally:
         log.close()
     assert cache.rounds == 2 and cache.length == 48 + 50 and cache.get_seq_length() == 200
@@ -150,7 +151,7 @@ def test_chunked_prefill_compresses_as_cache_fills():
         causal = torch.arange(total)[None, :] <= torch.arange(start, total)[:, None]
         _STATE["allowed"] = allowed[:, :, :, None, :] & causal
         with attention_implementation(model, "trikv_test_masked"), torch.no_grad():
-            out = model(input_ids=prompt[:, start:total], position_ids=torch.arange(start, total)[None], cache=reference_cache)
+            out = model(input_ids=prompt[:, start:total], position_ids=torch.arange(start, total)[None], **cache_kwargs(model, reference_cache))
         torch.testing.assert_close(logits[index], out.logits[:, -1], rtol=0, atol=2e-4)
 
 
@@ -205,7 +206,7 @@ def test_model_generate_padded_batch_equals_decode_loop():
     attention_mask = (input_ids != 0).long()
     attention_mask[0] = 1
     cache = trikv.make_cache(model, "triattention", budget=32, divide_length=8, stats=stats)
-    out = model.generate(input_ids=input_ids, attention_mask=attention_mask, cache=cache, max_new_tokens=50, min_new_tokens=50, do_sample=False, pad_token_id=0)
+    out = model.generate(input_ids=input_ids, attention_mask=attention_mask, **cache_kwargs(model, cache), max_new_tokens=50, min_new_tokens=50, do_sample=False, pad_token_id=0)
     assert cache.rounds >= 3
     assert out[:, 30:].tolist() == ours.tokens
 

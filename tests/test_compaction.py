@@ -39,6 +39,7 @@ from trikv.policies.tam import TAM
 
 from helpers import masked_reference_logits, tiny_model
 from stats_fixtures import tiny_stats
+from trikv.compat import cache_kwargs
 
 SMALL_TAM = dict(interval=16, selector_window=8, protected_tail=4)
 
@@ -60,7 +61,7 @@ def _generate(model, input_ids, cache, attention_mask=None, new_tokens=40):
     return model.generate(
         input_ids=input_ids,
         attention_mask=torch.ones_like(input_ids) if attention_mask is None else attention_mask,
-        cache=cache,
+        **cache_kwargs(model, cache),
         max_new_tokens=new_tokens,
         min_new_tokens=new_tokens,
         do_sample=False,
@@ -167,7 +168,7 @@ class _BiasLog:
         self.handle = decoder(model).register_forward_hook(self._hook, with_kwargs=True)
 
     def _hook(self, module, args, kwargs, output):
-        cache = kwargs.get("cache")
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
         if isinstance(cache, CompressedCache):
             self.visible.append(cache.visible_positions().clone())
             self.biases.append(cache.biases[:, :, :, : cache.length].clone())
@@ -219,7 +220,7 @@ def _biased_reference_logits(model, input_ids, attention_mask, generated, visibl
             _BIAS_STATE["allowed"] = allowed[:, :, :, None, :] & causal[None, None, None]
             _BIAS_STATE["bias"] = per_key[:, :, :, None, :]
             position_ids = (mask2d.cumsum(-1) - 1).masked_fill(mask2d == 0, 0)[:, seen:total]
-            out = model(input_ids=tokens, position_ids=position_ids, cache=cache, use_cache=True)
+            out = model(input_ids=tokens, position_ids=position_ids, **cache_kwargs(model, cache), use_cache=True)
             outputs.append(out.logits[:, -1].float())
             seen = total
     finally:

@@ -13,6 +13,7 @@ from trikv.scoring import TriScorer, offset_values
 
 from helpers import tiny_model
 from stats_fixtures import tiny_stats
+from trikv.compat import cache_kwargs
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -113,7 +114,7 @@ def test_lean_chunked_prefill_and_weight_sharing():
         for start in range(0, 120, 30):
             chunk, positions = prompt[:, start : start + 30], torch.arange(start, start + 30)[None]
             ours = engine(chunk, caches[0], position_ids=positions, logits_to_keep=0)
-            ref = model(input_ids=chunk, position_ids=positions, cache=caches[1]).logits
+            ref = model(input_ids=chunk, position_ids=positions, **cache_kwargs(model, caches[1])).logits
             torch.testing.assert_close(ours, ref, rtol=0, atol=ATOL)
     assert caches[0].rounds == caches[1].rounds >= 2
     stock = stock_layout_copy(model)  # the layout transformers loads, same values

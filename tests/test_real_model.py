@@ -12,6 +12,7 @@ from transformers import DynamicCache
 import trikv
 
 from helpers import VisibleLog, masked_reference_logits
+from trikv.compat import cache_kwargs
 
 pytestmark = pytest.mark.real_model
 
@@ -36,7 +37,7 @@ def test_no_eviction_identical_to_transformers(model_and_stats, sampling):
     outputs = []
     for cache in (DynamicCache(config=model.config), trikv.TriAttentionCache(model, stats, budget=4096)):
         torch.manual_seed(11)
-        outputs.append(model.generate(**inputs, cache=cache, **options, max_new_tokens=80, min_new_tokens=80, return_dict_in_generate=True, output_logits=True))
+        outputs.append(model.generate(**inputs, **cache_kwargs(model, cache), **options, max_new_tokens=80, min_new_tokens=80, return_dict_in_generate=True, output_logits=True))
     reference, ours = outputs
     assert torch.equal(reference.sequences, ours.sequences)
     torch.testing.assert_close(torch.stack(ours.logits), torch.stack(reference.logits), rtol=0, atol=1e-4)

@@ -47,14 +47,21 @@ def model_shape(model: torch.nn.Module) -> ModelShape:
     config = getattr(model, "config", None)
     if config is None:
         raise UnsupportedModelError(f"{type(model).__name__} has no `config`; pass a transformers causal LM")
+    shape = config_shape(config)
+    rotary = rotary_module(model)
+    if rotary is None or not hasattr(rotary, "inv_freq"):
+        raise UnsupportedModelError(f"model of type {shape.model_type!r} has no rotary embedding (RoPE); trikv needs RoPE")
+    return shape
+
+
+def config_shape(config) -> ModelShape:
+    """The attention shape of a supported model from its transformers config alone (serving engines hold
+    the config but not a transformers model); raise `UnsupportedModelError` naming the problem."""
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_FAMILIES:
         raise UnsupportedModelError(
             f"unsupported architecture {model_type!r}; trikv supports {sorted(SUPPORTED_FAMILIES)}"
         )
-    rotary = rotary_module(model)
-    if rotary is None or not hasattr(rotary, "inv_freq"):
-        raise UnsupportedModelError(f"model of type {model_type!r} has no rotary embedding (RoPE); trikv needs RoPE")
     if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
         layer_types = getattr(config, "layer_types", None) or []
         if any(kind != "full_attention" for kind in layer_types) or model_type == "mistral":
@@ -75,6 +82,19 @@ def model_shape(model: torch.nn.Module) -> ModelShape:
         head_dim=head_dim,
         layout=SUPPORTED_FAMILIES[model_type],
     )
+
+
+def rotary_from_config(config) -> torch.nn.Module:
+    """The family's own transformers rotary-embedding module built from `config` (no weights are loaded), so
+    that frequencies and scaling are exactly those a transformers model of this config uses."""
+    import importlib
+
+    shape = config_shape(config)
+    module = importlib.import_module(f"transformers.models.{shape.model_type}.modeling_{shape.model_type}")
+    classes = [getattr(module, name) for name in dir(module) if name.endswith("RotaryEmbedding") and not name.startswith("_")]
+    if len(classes) != 1:
+        raise UnsupportedModelError(f"cannot find the rotary embedding of {shape.model_type!r} in {module.__name__}")
+    return classes[0](config=config)
 
 
 def decoder(model: torch.nn.Module) -> torch.nn.Module:

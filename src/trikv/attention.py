@@ -6,11 +6,18 @@ logical 2D padding mask, so trikv registers two attention implementations, `trik
 `trikv_eager`. When the cache marks a forward as its own (`trikv_active` in the attention kwargs) they
 build the mask from slot validity and causality; otherwise they are exactly the stock `sdpa` / `eager`
 functions with the stock masks, so a model switched to them behaves as before with any other cache.
+
+How the cache's per-layer state reaches the attention function: transformers 5.24 and later hand
+`Cache.update` the attention kwargs dict (`kwargs=`), which the cache fills. Earlier releases call
+`update(key, value, layer_idx)` only; the cache then parks the state with `park_attention_state`, keyed by
+the key tensor it returns, and the attention function of the same layer (which receives that very tensor)
+takes it back. A parked state that no attention function took is an error (`unclaimed_attention_state`).
 """
 
 from __future__ import annotations
 
 import sys
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +28,28 @@ from transformers.modeling_utils import AttentionInterface
 from .architectures import UnsupportedModelError
 
 IMPLEMENTATIONS = {"sdpa": "trikv_sdpa", "eager": "trikv_eager"}
+
+_parked = threading.local()
+
+
+def park_attention_state(key: torch.Tensor, state: dict) -> None:
+    """Leave the cache's attention state for the attention call that receives `key` (the tensor update returned)."""
+    _parked.entry = (key, state)
+
+
+def _take_parked(key: torch.Tensor) -> dict:
+    entry = getattr(_parked, "entry", None)
+    if entry is None or entry[0] is not key:
+        return {}
+    _parked.entry = None
+    return entry[1]
+
+
+def unclaimed_attention_state() -> bool:
+    """True (and forgets it) when a parked state was never taken: the layer attended without trikv's masks."""
+    entry = getattr(_parked, "entry", None)
+    _parked.entry = None
+    return entry is not None
 
 
 def validity_mask(query: torch.Tensor, key: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor | None:
@@ -87,7 +116,15 @@ def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     return out.view(b, Hq, q, D).transpose(1, 2)
 
 
+def _with_parked(key, trikv_active, trikv_valid, trikv_bias, trikv_packed):
+    if trikv_active or trikv_packed is not None:
+        return trikv_active, trikv_valid, trikv_bias, trikv_packed
+    parked = _take_parked(key)
+    return (parked.get("trikv_active", False), parked.get("trikv_valid"), parked.get("trikv_bias"), parked.get("trikv_packed"))
+
+
 def trikv_sdpa(module, query, key, value, attention_mask, trikv_active=False, trikv_valid=None, trikv_bias=None, trikv_packed=None, **kwargs):
+    trikv_active, trikv_valid, trikv_bias, trikv_packed = _with_parked(key, trikv_active, trikv_valid, trikv_bias, trikv_packed)
     if trikv_packed is not None:
         return packed_attention(query, key, value, trikv_packed, kwargs.get("scaling") or module.scaling).contiguous(), None
     if trikv_active:
@@ -98,6 +135,7 @@ def trikv_sdpa(module, query, key, value, attention_mask, trikv_active=False, tr
 
 
 def trikv_eager(module, query, key, value, attention_mask, trikv_active=False, trikv_valid=None, trikv_bias=None, trikv_packed=None, **kwargs):
+    trikv_active, trikv_valid, trikv_bias, trikv_packed = _with_parked(key, trikv_active, trikv_valid, trikv_bias, trikv_packed)
     if trikv_packed is not None:  # the packed layout has one attention function (masked SDPA)
         return packed_attention(query, key, value, trikv_packed, kwargs.get("scaling") or module.scaling).contiguous(), None
     if trikv_active:

@@ -27,10 +27,12 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .architectures import ModelShape, decoder, model_shape
-from .attention import use_trikv_attention
+from .attention import park_attention_state, unclaimed_attention_state, use_trikv_attention
+from .compat import cache_argument
 from .policies import Policy, ScoringContext, make_policy
 from .policies.base import ObservationContext  # baselines (issue 3)
 from .policies.base import CompactionContext  # compaction (issue 5)
+from .selection import prompt_fits, protected_entries
 from .query_capture import QueryWindow, install_query_tap, take_query, want_queries  # baselines (issue 3)
 from .fast import accelerate, compact_slots_, gather_slots, spread_step  # speed (issue 6)
 
@@ -295,12 +297,18 @@ class CompressedCache(Cache):
         if self.query_window is not None:  # baselines (issue 3)
             self._record_queries(layer_idx, q, end)
         attention_kwargs = kwargs.get("kwargs")
-        if attention_kwargs is not None:  # read by trikv_sdpa / trikv_eager
-            attention_kwargs["trikv_active"] = True
-            attention_kwargs["trikv_valid"] = self.positions[layer_idx, :, :, :end] >= 0 if self._has_dead_slots else None
+        stored_keys, stored_values = self.keys[layer_idx, :, :, :end], self.values[layer_idx, :, :, :end]
+        state = {
+            "trikv_active": True,
+            "trikv_valid": self.positions[layer_idx, :, :, :end] >= 0 if self._has_dead_slots else None,
             # compaction (issue 5): per-entry log-biases, only once some entry carries one
-            attention_kwargs["trikv_bias"] = self.biases[layer_idx, :, :, :end] if self._has_bias else None
-        return self.keys[layer_idx, :, :, :end], self.values[layer_idx, :, :, :end]
+            "trikv_bias": self.biases[layer_idx, :, :, :end] if self._has_bias else None,
+        }
+        if attention_kwargs is not None:  # read by trikv_sdpa / trikv_eager
+            attention_kwargs.update(state)
+        else:  # transformers < 5.24 passes no kwargs dict to update()
+            park_attention_state(stored_keys, state)
+        return stored_keys, stored_values
 
     def _refuse_missed_round(self) -> None:
         if self.budget is not None and self.length - self._excess_slots >= self.budget + self.divide_length:
@@ -371,23 +379,18 @@ class CompressedCache(Cache):
     def _protected(self, positions: torch.Tensor) -> torch.Tensor:
         """[L, b, Hkv, N] bool: prompt tokens (while protection holds) and the recent window."""
         t = self.current_positions()  # [b]
-        protected = torch.zeros_like(positions, dtype=torch.bool)
         window = self.policy.recent_window
-        if window > 0:
-            protected |= positions >= (t - window)[None, :, None, None]
-        if self.protect_prompt and self.prompt_length > 0:
-            prompt_real = self.prompt_length - self._pads(t.shape[0], t.device)  # [b]
-            keep_prompt = prompt_real + window + self.min_decode_room <= self.budget  # [b]
-            if not bool(keep_prompt.all()) and not self._prompt_dropped_logged:
+        prompt_real = self.prompt_length - self._pads(t.shape[0], t.device)  # [b]
+        protect_prompt = self.protect_prompt and self.prompt_length > 0
+        if protect_prompt and not self._prompt_dropped_logged:
+            if not bool(prompt_fits(prompt_real, self.budget, window, self.min_decode_room).all()):
                 log.warning(
                     "prompt of %s tokens leaves fewer than %d of the %d budget slots for generated tokens: "
                     "the prompt competes for the budget too",
                     prompt_real.tolist(), self.min_decode_room, self.budget,
                 )
                 self._prompt_dropped_logged = True
-            in_prompt = (positions >= 0) & (positions < prompt_real[None, :, None, None])
-            protected |= in_prompt & keep_prompt[None, :, None, None]
-        return protected
+        return protected_entries(positions, t, prompt_real, self.budget, window, self.min_decode_room, protect_prompt)
 
     def live_counts(self) -> torch.Tensor:
         """[b] live entries per row (mean over layers and KV heads: they differ only with variable budgets)."""
@@ -662,12 +665,34 @@ def _top_counts(scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
 
 def _post_forward_hook(module, args, kwargs, output):
     want_queries(False)  # baselines (issue 3): stop parking queries outside trikv forwards
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    if isinstance(cache, CompressedCache) and unclaimed_attention_state():
+        raise RuntimeError(
+            "an attention layer ran without trikv's attention function, so it ignored the cache's dead slots and "
+            "biases; keep the model on the attention implementation the cache set (trikv_sdpa / trikv_eager)"
+        )
+    if isinstance(cache, CompressedCache) and cache.seen == getattr(module, "_trikv_seen_before", None):
+        raise RuntimeError(
+            "the model ran a forward without writing to the trikv cache it was given (the attention layers never "
+            "called cache.update); its output did not use the cache"
+        )
     return None
 
 
 def _pre_forward_hook(module, args, kwargs):
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
     if isinstance(cache, CompressedCache):
+        expected = cache_argument(module)
+        if kwargs.get(expected) is not cache:
+            import transformers
+
+            given = "cache" if kwargs.get("cache") is cache else "past_key_values"
+            raise TypeError(
+                f"transformers {transformers.__version__} takes the KV cache as `{expected}=`, not `{given}=`: "
+                f"the model would run without the trikv cache. Pass it with "
+                f"`**trikv.compat.cache_kwargs(model, cache)` (or `{expected}=cache`)"
+            )
+        module._trikv_seen_before = cache.seen
         tokens = kwargs.get("input_ids")
         if tokens is None:
             tokens = kwargs.get("inputs_embeds")

@@ -43,6 +43,28 @@ def weight_signature(model: torch.nn.Module) -> list[float]:
     return numbers
 
 
+def checkpoint_weight_signature(model_dir: str | Path, num_layers: int) -> list[float] | None:
+    """`weight_signature` read from a safetensors checkpoint folder (serving engines repack the weights they
+    load); None when the folder holds no safetensors with the transformers names of the q_proj weights."""
+    from safetensors import safe_open
+
+    files = sorted(Path(model_dir).glob("*.safetensors")) if Path(model_dir).is_dir() else []
+    wanted = [f"model.layers.{layer}.self_attn.q_proj.weight" for layer in (0, num_layers - 1)]
+    found: dict[str, torch.Tensor] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as handle:
+            for name in wanted:
+                if name in handle.keys():
+                    found[name] = handle.get_tensor(name)
+    if len(found) != len(wanted):
+        return None
+    numbers = []
+    for name in wanted:
+        w = found[name].float()
+        numbers += [w.mean().item(), w.std().item(), w.abs().mean().item()]
+    return numbers
+
+
 @dataclass
 class QueryStats:
     """Calibrated pre-RoPE statistics. Complex tensors are complex128, magnitudes float64."""
@@ -133,8 +155,12 @@ class QueryStats:
     # ---- validation --------------------------------------------------------------------------
     def check_matches(self, model: torch.nn.Module, source: str = "statistics") -> None:
         """Raise StatsFileError naming the first mismatch between these stats and `model`."""
-        shape = model_shape(model)
-        geometry = RopeGeometry.from_model(model)
+        self.check_against(model_shape(model), RopeGeometry.from_model(model), lambda: weight_signature(model), source)
+
+    def check_against(self, shape: ModelShape, geometry: RopeGeometry, signature, source: str = "statistics") -> None:
+        """Raise StatsFileError naming the first mismatch with a model of this shape and RoPE geometry;
+        `signature` is a callable returning the served weights' `weight_signature` (called only when the stats
+        carry one)."""
         meta = self.metadata
         expected = {
             "model_type": shape.model_type,
@@ -151,10 +177,10 @@ class QueryStats:
                     f"{source} do not match the model: {key} is {meta.get(key)!r} in the stats "
                     f"(calibrated on {meta.get('model_name', '?')}) but {value!r} in the model"
                 )
-        signature = meta.get("weight_signature")
-        if signature is not None:
-            current = weight_signature(model)
-            if any(not math.isclose(a, b, rel_tol=0.02, abs_tol=1e-6) for a, b in zip(signature, current)):
+        expected_signature = meta.get("weight_signature")
+        if expected_signature is not None:
+            current = signature()
+            if any(not math.isclose(a, b, rel_tol=0.02, abs_tol=1e-6) for a, b in zip(expected_signature, current)):
                 raise StatsFileError(
                     f"{source} were calibrated on different weights ({meta.get('model_name', '?')}): "
                     "same architecture, but the q_proj weights differ; recalibrate with `trikv calibrate`"

@@ -1,6 +1,6 @@
 """A plain decode loop around any trikv cache: batches with left padding, greedy or sampled.
 
-It does what `model.generate(..., cache=cache)` does (same position ids, masks and sampling warpers, so
+It does what `model.generate(..., cache=cache)` does (`past_key_values=` before transformers 5.24; same position ids, masks and sampling warpers, so
 the same tokens for the same seed) and also times every step and tracks the cache's memory.
 """
 
@@ -19,6 +19,7 @@ from transformers.generation.logits_process import (
 )
 
 from .cache import CompressedCache, make_cache
+from .compat import cache_kwargs
 
 
 def cache_bytes(cache) -> int:
@@ -174,7 +175,7 @@ def generate(
         if lean is not None:  # speed (issue 6)
             logits = lean.forward(next_input, cache, position_ids=next_positions, attention_mask=mask)[:, -1, :].float()
         else:
-            out = model(input_ids=next_input, attention_mask=mask, position_ids=next_positions, cache=cache, logits_to_keep=1)
+            out = model(input_ids=next_input, attention_mask=mask, position_ids=next_positions, **cache_kwargs(model, cache), logits_to_keep=1)
             logits = out.logits[:, -1, :].float()
         if return_logits:
             all_logits.append(logits.cpu())

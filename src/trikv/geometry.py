@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .architectures import model_shape, rotary_module
+from .architectures import config_shape, model_shape, rotary_from_config, rotary_module
 
 
 @dataclass
@@ -52,8 +52,15 @@ class RopeGeometry:
     @classmethod
     def from_model(cls, model: torch.nn.Module) -> "RopeGeometry":
         """Frequencies and scaling read from the instantiated rotary module, layout from the model family."""
-        shape = model_shape(model)
-        rotary = rotary_module(model)
+        return cls.from_rotary(rotary_module(model), model_shape(model))
+
+    @classmethod
+    def from_config(cls, config) -> "RopeGeometry":
+        """The geometry a transformers model of `config` has, without building the model."""
+        return cls.from_rotary(rotary_from_config(config), config_shape(config))
+
+    @classmethod
+    def from_rotary(cls, rotary: torch.nn.Module, shape) -> "RopeGeometry":
         inv_freq = getattr(rotary, "original_inv_freq", None)
         if inv_freq is None:
             inv_freq = rotary.inv_freq

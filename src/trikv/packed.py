@@ -29,6 +29,7 @@ import time
 
 import torch
 
+from .attention import park_attention_state
 from .cache import CompressedCache, _top_counts
 from .policies import Policy, ScoringContext
 
@@ -196,14 +197,20 @@ class PackedCache(CompressedCache):
         if layer_idx == self.shape.num_layers - 1:
             self.peak_bytes = max(self.peak_bytes, self.memory_bytes())
             self.peak_length = max(self.peak_length, self.entries())  # mean used slots per (layer, head)
-        attention_kwargs = kwargs.get("kwargs")
-        if attention_kwargs is not None:  # read by trikv_sdpa / trikv_eager / the lean engine (packed_attention)
-            attention_kwargs["trikv_active"] = True
-            attention_kwargs["trikv_packed"] = (
+        state = {
+            "trikv_active": True,
+            "trikv_packed": (
                 self.region_positions[layer_idx][:, :end], self.region_heads[layer_idx][:, :end], self._new_positions, h,
                 self.region_bias[layer_idx][:, :end],
-            )
-        return self.region_keys[layer_idx][:, None, :end], self.region_values[layer_idx][:, None, :end]
+            ),
+        }
+        stored_keys, stored_values = self.region_keys[layer_idx][:, None, :end], self.region_values[layer_idx][:, None, :end]
+        attention_kwargs = kwargs.get("kwargs")
+        if attention_kwargs is not None:  # read by trikv_sdpa / trikv_eager / the lean engine (packed_attention)
+            attention_kwargs.update(state)
+        else:  # transformers < 5.24 passes no kwargs dict to update()
+            park_attention_state(stored_keys, state)
+        return stored_keys, stored_values
 
     # ---- unpacking: a region as the [b, Hkv, n] view policies score --------------------------------
     def _head_slots(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -44,6 +44,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from ..compat import cache_kwargs
 
 DEFAULT_CONTEXTS = [1024, 2048, 4096, 8192, 16384, 32768]
 DEFAULT_BUDGETS = [256, 512, 1024, 2048]
@@ -170,7 +171,7 @@ def make_seed(model, tokenizer=None, length: int = 512) -> SeedKV:
     cache = DynamicCache(config=model.config)
     pre_rope: dict[int, torch.Tensor] = {}
     with capture_pre_rope(model, lambda layer, q, k: pre_rope.__setitem__(layer, q[0].detach().clone())):
-        model(input_ids=torch.tensor([ids], device=device), cache=cache, use_cache=True, logits_to_keep=1)
+        model(input_ids=torch.tensor([ids], device=device), **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
     keys = [layer.keys[0].clone() for layer in cache.layers]
     values = [layer.values[0].clone() for layer in cache.layers]
     geometry = RopeGeometry.from_model(model)
@@ -345,7 +346,7 @@ class DecodeRun:
         if self.engine == "lean":
             logits = self.lean.forward(self.tokens[:, None], self.cache, position_ids=positions)[:, -1]
         else:
-            logits = self.model(input_ids=self.tokens[:, None], position_ids=positions, cache=self.cache, logits_to_keep=1).logits[:, -1]
+            logits = self.model(input_ids=self.tokens[:, None], position_ids=positions, **cache_kwargs(self.model, self.cache), logits_to_keep=1).logits[:, -1]
         self.tokens = logits.argmax(-1)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
@@ -968,7 +969,7 @@ def memory_run(model, tokenizer, stats, method: str, budget: int, tokens: int, d
         if engine_ is not None:
             logits = engine_.forward(x, cache, position_ids=positions)[:, -1]
         else:
-            logits = model(input_ids=x, position_ids=positions, cache=cache, logits_to_keep=1).logits[:, -1]
+            logits = model(input_ids=x, position_ids=positions, **cache_kwargs(model, cache), logits_to_keep=1).logits[:, -1]
         x = logits.argmax(-1, keepdim=True)
         positions = positions[:, -1:] + 1
         max_entries = max(max_entries, cache.entries())

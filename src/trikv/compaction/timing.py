@@ -14,6 +14,7 @@ import argparse
 import time
 
 import torch
+from ..compat import cache_kwargs
 
 
 def time_round(model, tokenizer, method: str, tokens: int = 4096, ratio: float = 0.1, stats=None, threads: int | None = None,
@@ -42,12 +43,12 @@ def time_round(model, tokenizer, method: str, tokens: int = 4096, ratio: float =
     input_ids = torch.tensor([ids])
     with torch.no_grad():
         started = time.perf_counter()
-        out = model(input_ids=input_ids, cache=cache, use_cache=True)
+        out = model(input_ids=input_ids, **cache_kwargs(model, cache), use_cache=True)
         prefill = time.perf_counter() - started
         next_token = out.logits[:, -1:].argmax(-1)
         cache.decoding = True
         started = time.perf_counter()
-        model(input_ids=next_token, cache=cache, use_cache=True)
+        model(input_ids=next_token, **cache_kwargs(model, cache), use_cache=True)
         step = time.perf_counter() - started
     assert cache.rounds == 1, f"expected one round, got {cache.rounds}"
     live = int((cache.visible_positions() >= 0).sum(-1).max())

@@ -49,17 +49,32 @@ class TriAttention(Policy):
     recent_window: int = 0
 
     def bind(self, model: torch.nn.Module, shape: ModelShape) -> None:
+        self._require_stats()
+        self.stats.check_matches(model)
+        self.bind_geometry(RopeGeometry.from_model(model), shape)
+
+    def _require_stats(self) -> None:
         if self.stats is None:
             raise ValueError(
                 "TriAttention needs calibration statistics: pass stats=trikv.load_stats(name_or_path, model)"
             )
         if self.group_aggregation not in ("max", "mean"):
             raise ValueError(f"group_aggregation must be 'max' or 'mean', got {self.group_aggregation!r}")
-        self.stats.check_matches(model)
+
+    def bind_geometry(self, geometry: RopeGeometry, shape: ModelShape, query_heads: torch.Tensor | None = None) -> None:
+        """Build the scorer for keys of `shape.num_kv_heads` KV heads (stats already validated).
+
+        query_heads: the statistics' query heads, grouped by KV head, that the scored KV heads serve (a
+        tensor-parallel rank holds a slice of the KV heads); default all of them.
+        """
+        self._require_stats()
+        q_mean, q_abs_mean = self.stats.q_mean, self.stats.q_abs_mean
+        if query_heads is not None:
+            q_mean, q_abs_mean = q_mean[:, query_heads], q_abs_mean[:, query_heads]
         self.scorer = TriScorer(
-            self.stats.q_mean,
-            self.stats.q_abs_mean,
-            RopeGeometry.from_model(model),
+            q_mean,
+            q_abs_mean,
+            geometry,
             shape.num_kv_heads,
             offset_values(self.max_offset, self.offset_spacing),
             use_trig=self.use_trig,

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ...cache import CompressedCache
+from ...compat import cache_kwargs
 
 
 def needs_single_steps(cache) -> bool:
@@ -113,7 +114,7 @@ class Feeder:
                 input_ids=input_ids[:, offset : offset + count],
                 position_ids=positions,
                 attention_mask=attention_mask,
-                cache=self.cache,
+                **cache_kwargs(self.model, self.cache),
                 use_cache=True,
                 logits_to_keep=logits_to_keep,
             )

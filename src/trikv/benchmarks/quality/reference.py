@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ...architectures import attention_modules, decoder, model_shape
+from ...compat import cache_kwargs
 from ...qk_capture import capture_post_rope
 
 
@@ -79,7 +80,7 @@ def reference_pass(
         for start, end in bounds:
             span[:] = [start, end]
             positions = torch.arange(start, end, device=input_ids.device)[None].expand(b, end - start)
-            out = base(input_ids=input_ids[:, start:end], position_ids=positions, cache=cache, use_cache=True)
+            out = base(input_ids=input_ids[:, start:end], position_ids=positions, **cache_kwargs(base, cache), use_cache=True)
             h = out.last_hidden_state.detach()
             if hidden is None:
                 hidden = torch.zeros(b, T, h.shape[-1], dtype=h.dtype, device=h.device)

@@ -1,0 +1,103 @@
+"""trikv inside vLLM: a bounded KV cache per request in the serving engine.
+
+Offline:
+
+    from vllm import LLM
+    import trikv.vllm
+    llm = LLM(model_path, **trikv.vllm.engine_args(method="triattention", budget=512, stats="smollm2-135m"))
+
+Server: `vllm serve MODEL $(trikv vllm-args --method triattention --budget 512 --stats smollm2-135m)`, or
+`trikv serve`, which starts `vllm serve` with those flags and trikv's defaults (the bundled model and its
+statistics).
+
+Everything goes through vLLM's own extension points: a scheduler class (`scheduler_cls`), a worker class
+(`worker_cls`) and the settings in `additional_config["trikv"]`. Without them vLLM runs untouched. Methods:
+`trikv.vllm.serving_methods()` (TriAttention and its ablations, StreamingLLM, Knorm). Supported vLLM:
+`SUPPORTED_VLLM`; see `support.py` for the features that are refused.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+
+from .settings import CONFIG_KEY, BoundedKVSettings, SettingsError, serving_methods
+from .support import SUPPORTED_VLLM, UnsupportedEngineError, check_model, check_vllm_version
+
+SCHEDULER_CLASS = "trikv.vllm.scheduler.TriKVScheduler"
+WORKER_CLASS = "trikv.vllm.worker.TriKVWorker"
+
+
+def engine_args(
+    method: str = "triattention",
+    budget: int = 2048,
+    divide_length: int = 128,
+    stats: str | None = None,
+    protect_prompt: bool = True,
+    min_decode_room: int = 32,
+    model: str | None = None,
+    **options,
+) -> dict:
+    """Keyword arguments for `vllm.LLM(...)` / `vllm.EngineArgs(...)` that bound every request's KV cache.
+
+    method / budget / divide_length / stats / protect_prompt / min_decode_room: as in trikv's transformers
+    caches (`stats`: bundled name or path, for methods that need statistics). `model`: when given, the
+    model's config is checked here, before vLLM starts (family, statistics' shape and RoPE). Other keyword
+    arguments are method options (e.g. `recent_window=8`) or the trikv settings `allow_untested_platform`
+    and `record_rounds`. `method="full"` returns no arguments: plain vLLM.
+    """
+    check_vllm_version()
+    if method == "full":
+        return {}
+    extra = {name: options.pop(name) for name in ("allow_untested_platform", "record_rounds") if name in options}
+    settings = BoundedKVSettings(method=method, budget=budget, divide_length=divide_length, stats=stats,
+                                 protect_prompt=protect_prompt, min_decode_room=min_decode_room, options=options, **extra)
+    if model is not None:
+        from transformers import AutoConfig
+
+        from ..models import resolve_model_path
+
+        path = resolve_model_path(model)
+        check_model(AutoConfig.from_pretrained(path), settings, path)
+    elif settings.needs_stats:
+        from ..calibration import load_stats
+
+        load_stats(settings.stats)  # the file exists and is a trikv statistics file
+    return {
+        "scheduler_cls": SCHEDULER_CLASS,
+        "worker_cls": WORKER_CLASS,
+        "enable_prefix_caching": False,
+        "async_scheduling": False,
+        "additional_config": {CONFIG_KEY: settings.to_config()},
+    }
+
+
+def serve_flags(**settings) -> list[str]:
+    """The `vllm serve` command-line flags equivalent to `engine_args(**settings)`."""
+    args = engine_args(**settings)
+    if not args:
+        return []
+    return [
+        "--scheduler-cls", args["scheduler_cls"],
+        "--worker-cls", args["worker_cls"],
+        "--no-enable-prefix-caching",
+        "--no-async-scheduling",
+        "--additional-config", json.dumps(args["additional_config"], sort_keys=True),
+    ]
+
+
+def serve_flags_text(**settings) -> str:
+    return shlex.join(serve_flags(**settings))
+
+
+__all__ = [
+    "engine_args",
+    "serve_flags",
+    "serve_flags_text",
+    "serving_methods",
+    "BoundedKVSettings",
+    "SettingsError",
+    "UnsupportedEngineError",
+    "SUPPORTED_VLLM",
+    "check_vllm_version",
+]

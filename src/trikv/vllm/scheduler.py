@@ -1,0 +1,103 @@
+"""The scheduler half of trikv inside vLLM: decides the rounds and returns the freed blocks to the pool.
+
+Before vLLM schedules a step, every running request whose prompt is done and whose physical KV length
+reached budget + divide_length is shrunk to its first ceil(budget / block_size) blocks; the tail blocks go
+back to vLLM's block pool at once, so this very step can give them to other requests. The request's offset
+(logical tokens - physical entries) grows by what was dropped. Everything vLLM tracks stays logical (token
+ids, positions, stop checks, max_model_len); only block allocation sees the physical length, through a
+wrapper around `KVCacheManager.allocate_slots`. The rounds and offsets travel to the workers as the
+`trikv` attribute of the step's `SchedulerOutput`; the workers compact the KV before the step's forward.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+from vllm.v1.core.sched.scheduler import Scheduler
+
+from .compactor import CompactionOp, StepPlan
+from .settings import BoundedKVSettings
+from .support import check_engine_config
+
+log = logging.getLogger(__name__)
+
+
+class TriKVScheduler(Scheduler):
+    """vLLM's scheduler with a bounded KV cache per request (settings in `additional_config["trikv"]`)."""
+
+    def __init__(self, vllm_config, *args, **kwargs):
+        super().__init__(vllm_config, *args, **kwargs)
+        self.trikv = BoundedKVSettings.from_config(vllm_config.additional_config)
+        check_engine_config(vllm_config, self.trikv)
+        self.trikv_offsets: dict[str, int] = {}  # request -> logical - physical entries
+        self.trikv_rounds = 0
+        self.trikv_blocks_freed = 0
+        self._trikv_manager = self.kv_cache_manager.coordinator.single_type_managers[0]
+        allocate = self.kv_cache_manager.allocate_slots
+
+        @functools.wraps(allocate)
+        def allocate_physical(request, *args, **kwargs):
+            offset = self.trikv_offsets.get(request.request_id, 0)
+            if not offset:
+                return allocate(request, *args, **kwargs)
+            request.num_computed_tokens -= offset  # allocation counts physical entries
+            try:
+                return allocate(request, *args, **kwargs)
+            finally:
+                request.num_computed_tokens += offset
+
+        self.kv_cache_manager.allocate_slots = allocate_physical
+
+    def schedule(self, *args, **kwargs):
+        rounds = self._start_rounds()
+        output = super().schedule(*args, **kwargs)
+        preempted = set(output.preempted_req_ids or ())
+        plan = StepPlan(
+            rounds=[op for op in rounds if op.request_id not in preempted],
+            offsets={rid: offset for rid, offset in self.trikv_offsets.items() if rid in output.num_scheduled_tokens},
+        )
+        output.trikv = plan
+        return output
+
+    def _start_rounds(self) -> list[CompactionOp]:
+        """Shrink every running request that is due and return its round."""
+        settings = self.trikv
+        trigger = settings.budget + settings.divide_length
+        kept_blocks = -(-settings.budget // self.block_size)
+        rounds = []
+        for request in self.running:
+            computed = request.num_computed_tokens
+            if computed < request.num_prompt_tokens or computed < request.num_tokens - 1:
+                continue  # prefill (or the recompute after a preemption) is not done
+            offset = self.trikv_offsets.get(request.request_id, 0)
+            length = computed - offset
+            if length < trigger:
+                continue
+            blocks = self._trikv_manager.req_to_blocks[request.request_id]
+            tail = blocks[kept_blocks:]
+            del blocks[kept_blocks:]
+            self.kv_cache_manager.block_pool.free_blocks(reversed(tail))
+            self.trikv_offsets[request.request_id] = computed - settings.budget
+            self.trikv_rounds += 1
+            self.trikv_blocks_freed += len(tail)
+            rounds.append(
+                CompactionOp(
+                    request_id=request.request_id,
+                    position=computed,
+                    length=length,
+                    budget=settings.budget,
+                    prompt_length=request.num_prompt_tokens,
+                    kept_blocks=len(blocks),
+                    free_blocks=self.kv_cache_manager.block_pool.get_num_free_blocks(),
+                )
+            )
+        return rounds
+
+    def _preempt_request(self, request, *args, **kwargs):
+        super()._preempt_request(request, *args, **kwargs)
+        self.trikv_offsets.pop(request.request_id, None)  # recomputed from scratch on resume
+
+    def _free_request(self, request, *args, **kwargs):
+        self.trikv_offsets.pop(request.request_id, None)
+        return super()._free_request(request, *args, **kwargs)

@@ -1,0 +1,122 @@
+"""What a user sets for a bounded KV cache inside vLLM, carried in vLLM's `additional_config["trikv"]`.
+
+The settings travel as a plain dict through vLLM's own configuration (`LLM(additional_config=...)`,
+`vllm serve --additional-config '{"trikv": {...}}'`), reach the scheduler and every worker process, and are
+validated in each of them by `BoundedKVSettings.from_config`, so a bad value fails at engine start-up with a
+message that names it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+
+from ..policies import REGISTRY, Policy, make_policy
+
+CONFIG_KEY = "trikv"
+
+
+class SettingsError(ValueError):
+    """A trikv setting for vLLM is missing, unknown or out of range."""
+
+
+def serving_methods() -> list[str]:
+    """Registered methods that run inside vLLM: they score stored keys only (no queries, per-step statistics,
+    rewritten values or per-head budgets), so a round needs nothing but the request's keys and positions."""
+    return [name for name, entry in REGISTRY.items() if name != "full" and _query_free(entry.policy_class)]
+
+
+def _query_free(policy_class: type[Policy]) -> bool:
+    return (
+        policy_class.evicts
+        and getattr(policy_class, "query_window", 0) == 0
+        and not policy_class.observes
+        and not policy_class.compacts
+        and not policy_class.variable_budgets
+        and not policy_class.needs_tokens
+    )
+
+
+@dataclass
+class BoundedKVSettings:
+    """A bounded KV cache per request: when a request's KV reaches `budget + divide_length` entries, the top
+    `budget` per (layer, KV head) under `method` are kept and the freed blocks return to vLLM's pool.
+
+    Defaults follow trikv's transformers caches: divide_length (beta) 128, prompt protected while it leaves
+    `min_decode_room` slots for generated tokens, the method's own recent window.
+    """
+
+    method: str = "triattention"
+    budget: int = 2048
+    divide_length: int = 128
+    stats: str | None = None  # bundled name or path of a `trikv calibrate` file (methods that need statistics)
+    protect_prompt: bool = True
+    min_decode_room: int = 32
+    options: dict = field(default_factory=dict)  # method options (e.g. {"recent_window": 8})
+    allow_untested_platform: bool = False  # run on a vLLM platform other than CPU (tested here: CPU only)
+    record_rounds: bool = False  # keep every round's kept positions (for tests: `LLM.collective_rpc("trikv_rounds")`)
+
+    def __post_init__(self) -> None:
+        if self.method == "full":
+            raise SettingsError("method 'full' needs no trikv settings: run vLLM without them")
+        if self.method not in REGISTRY:
+            raise SettingsError(f"unknown method {self.method!r}; methods that run inside vLLM: {', '.join(serving_methods())}")
+        if self.method not in serving_methods():
+            raise SettingsError(
+                f"method {self.method!r} needs observed queries or per-step statistics and does not run inside vLLM; "
+                f"methods that do: {', '.join(serving_methods())}"
+            )
+        for name in ("budget", "divide_length", "min_decode_room"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "min_decode_room" else 1):
+                raise SettingsError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("protect_prompt", "allow_untested_platform", "record_rounds"):
+            if not isinstance(getattr(self, name), bool):
+                raise SettingsError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if not isinstance(self.options, dict):
+            raise SettingsError(f"options must be a dict of method options, got {self.options!r}")
+        if "stats" in self.options:
+            raise SettingsError("give the statistics as `stats`, not inside `options`")
+        if self.needs_stats and not self.stats:
+            raise SettingsError(
+                f"method {self.method!r} needs calibration statistics: set stats to a bundled name "
+                "(e.g. 'smollm2-135m') or the path of a `trikv calibrate` file"
+            )
+        if self.stats is not None and not self.needs_stats:
+            raise SettingsError(f"method {self.method!r} uses no statistics; remove stats={self.stats!r}")
+        policy = self.make_policy(stats=None)  # validates the options
+        if policy.recent_window >= self.budget:
+            raise SettingsError(
+                f"budget {self.budget} is not larger than the protected recent window of {self.method} "
+                f"({policy.recent_window} tokens)"
+            )
+
+    @property
+    def needs_stats(self) -> bool:
+        return REGISTRY[self.method].needs_stats
+
+    def make_policy(self, stats=None) -> Policy:
+        options = dict(self.options)
+        if self.needs_stats and stats is not None:
+            options["stats"] = stats
+        try:
+            return make_policy(self.method, **options)
+        except (TypeError, ValueError) as error:
+            raise SettingsError(str(error)) from None
+
+    def to_config(self) -> dict:
+        """The dict for `additional_config[CONFIG_KEY]`."""
+        return asdict(self)
+
+    @classmethod
+    def from_config(cls, additional_config: dict | None) -> "BoundedKVSettings | None":
+        """Settings from vLLM's `additional_config`, or None when it holds no trikv entry."""
+        raw = (additional_config or {}).get(CONFIG_KEY)
+        if raw is None:
+            return None
+        if not isinstance(raw, dict):
+            raise SettingsError(f"additional_config[{CONFIG_KEY!r}] must be a dict, got {type(raw).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise SettingsError(f"unknown trikv setting(s) {unknown}; known: {sorted(known)}")
+        return cls(**raw)

