@@ -1,4 +1,4 @@
-"""`trikv` command line: calibrate, generate, demo, methods (and analyze / bench when installed)."""
+"""`trikv` command line: calibrate, generate, demo, methods, analyze, bench, vllm-args and serve (vLLM)."""
 
 from __future__ import annotations
 
@@ -167,6 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_demo(sub)
     _add_methods(sub)
     _add_analyze(sub)
+    from .vllm.cli import add_vllm_commands
+
+    add_vllm_commands(sub)
     # `trikv bench ...`: a subcommand group that benchmark modules extend (see trikv/benchmarks/__init__.py)
     from .benchmarks import add_bench_parser
 

@@ -33,7 +33,9 @@ class CompactionOp:
     budget: int  # entries kept per (layer, KV head)
     prompt_length: int
     kept_blocks: int  # blocks the request holds after the round
+    freed_blocks: int  # blocks returned to the pool by this round
     free_blocks: int  # the block pool's free blocks right after the request's tail was returned
+    held_blocks: int  # blocks held by all running requests at that moment
 
 
 @dataclass
@@ -43,6 +45,8 @@ class StepPlan:
 
     rounds: list[CompactionOp] = field(default_factory=list)
     offsets: dict[str, int] = field(default_factory=dict)
+    running: int = 0  # requests running after this step was scheduled
+    preemptions: int = 0  # preemptions since the engine started
 
 
 @dataclass
@@ -53,7 +57,9 @@ class RoundRecord:
     position: int
     length: int
     kept_blocks: int
+    freed_blocks: int
     free_blocks: int
+    held_blocks: int
     kept_positions: torch.Tensor | None = None  # [L, Hkv, budget] long
 
 
@@ -69,7 +75,13 @@ class Compactor:
         self.records: list[RoundRecord] = []
         self.rounds = 0
         self.seconds = 0.0
+        self.max_running = 0
+        self.preemptions = 0
         self._warned_prompt = False
+
+    def note_step(self, running: int, preemptions: int) -> None:
+        self.max_running = max(self.max_running, running)
+        self.preemptions = preemptions
 
     def forget(self, request_id: str) -> None:
         self.kept_positions.pop(request_id, None)
@@ -135,8 +147,8 @@ class Compactor:
         for row, op in enumerate(rounds):
             self.kept_positions[op.request_id] = kept_positions[:, row].clone()
             if self.record:
-                self.records.append(RoundRecord(op.request_id, op.position, op.length, op.kept_blocks, op.free_blocks,
-                                                kept_positions[:, row].cpu().clone()))
+                self.records.append(RoundRecord(op.request_id, op.position, op.length, op.kept_blocks, op.freed_blocks,
+                                                op.free_blocks, op.held_blocks, kept_positions[:, row].cpu().clone()))
         self.rounds += R
         self.seconds += time.perf_counter() - started
 

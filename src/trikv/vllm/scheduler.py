@@ -12,15 +12,15 @@ wrapper around `KVCacheManager.allocate_slots`. The rounds and offsets travel to
 from __future__ import annotations
 
 import functools
-import logging
 
+from vllm.logger import init_logger
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from .compactor import CompactionOp, StepPlan
 from .settings import BoundedKVSettings
 from .support import check_engine_config
 
-log = logging.getLogger(__name__)
+log = init_logger(f"vllm.{__name__}")  # printed with vLLM's own log lines
 
 
 class TriKVScheduler(Scheduler):
@@ -33,6 +33,8 @@ class TriKVScheduler(Scheduler):
         self.trikv_offsets: dict[str, int] = {}  # request -> logical - physical entries
         self.trikv_rounds = 0
         self.trikv_blocks_freed = 0
+        self.trikv_preemptions = 0
+        self._trikv_announced: set[str] = set()  # requests whose first round was logged
         self._trikv_manager = self.kv_cache_manager.coordinator.single_type_managers[0]
         allocate = self.kv_cache_manager.allocate_slots
 
@@ -56,6 +58,8 @@ class TriKVScheduler(Scheduler):
         plan = StepPlan(
             rounds=[op for op in rounds if op.request_id not in preempted],
             offsets={rid: offset for rid, offset in self.trikv_offsets.items() if rid in output.num_scheduled_tokens},
+            running=len(self.running),
+            preemptions=self.trikv_preemptions,
         )
         output.trikv = plan
         return output
@@ -65,6 +69,8 @@ class TriKVScheduler(Scheduler):
         settings = self.trikv
         trigger = settings.budget + settings.divide_length
         kept_blocks = -(-settings.budget // self.block_size)
+        pool = self.kv_cache_manager.block_pool
+        held = {request.request_id: len(self._trikv_manager.req_to_blocks.get(request.request_id, ())) for request in self.running}
         rounds = []
         for request in self.running:
             computed = request.num_computed_tokens
@@ -77,10 +83,15 @@ class TriKVScheduler(Scheduler):
             blocks = self._trikv_manager.req_to_blocks[request.request_id]
             tail = blocks[kept_blocks:]
             del blocks[kept_blocks:]
-            self.kv_cache_manager.block_pool.free_blocks(reversed(tail))
+            pool.free_blocks(reversed(tail))
+            held[request.request_id] = len(blocks)
             self.trikv_offsets[request.request_id] = computed - settings.budget
             self.trikv_rounds += 1
             self.trikv_blocks_freed += len(tail)
+            if request.request_id not in self._trikv_announced:
+                self._trikv_announced.add(request.request_id)
+                log.info("trikv: request %s compacted at %d tokens (%d -> %d entries per KV head, %d blocks returned, %d free)",
+                         request.request_id, computed, length, settings.budget, len(tail), pool.get_num_free_blocks())
             rounds.append(
                 CompactionOp(
                     request_id=request.request_id,
@@ -89,7 +100,9 @@ class TriKVScheduler(Scheduler):
                     budget=settings.budget,
                     prompt_length=request.num_prompt_tokens,
                     kept_blocks=len(blocks),
-                    free_blocks=self.kv_cache_manager.block_pool.get_num_free_blocks(),
+                    freed_blocks=len(tail),
+                    free_blocks=pool.get_num_free_blocks(),
+                    held_blocks=sum(held.values()),
                 )
             )
         return rounds
@@ -97,7 +110,9 @@ class TriKVScheduler(Scheduler):
     def _preempt_request(self, request, *args, **kwargs):
         super()._preempt_request(request, *args, **kwargs)
         self.trikv_offsets.pop(request.request_id, None)  # recomputed from scratch on resume
+        self.trikv_preemptions += 1
 
     def _free_request(self, request, *args, **kwargs):
         self.trikv_offsets.pop(request.request_id, None)
+        self._trikv_announced.discard(request.request_id)
         return super()._free_request(request, *args, **kwargs)

@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 SUPPORTED_VLLM = ">=0.32,<0.33"
 
 
-class UnsupportedEngineError(RuntimeError):
+class UnsupportedEngineError(ValueError):
     """The installed vLLM, or a feature enabled in its configuration, cannot run with a trikv cache."""
 
 

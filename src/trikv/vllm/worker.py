@@ -26,6 +26,7 @@ from ..geometry import RopeGeometry
 from .compactor import Compactor, StepPlan
 from .pages import PageCodec
 from .settings import BoundedKVSettings
+from .support import check_model
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +88,10 @@ class BoundedKVRunner:
         for request_id in set(scheduler_output.preempted_req_ids or ()) | set(scheduler_output.finished_req_ids or ()):
             compactor.forget(request_id)
         self._trikv_offsets = plan.offsets if plan is not None else {}
-        if plan is None or not plan.rounds:
+        if plan is None:
+            return
+        compactor.note_step(plan.running, plan.preemptions)
+        if not plan.rounds:
             return
         block_ids = {op.request_id: self.requests[op.request_id].block_ids[0] for op in plan.rounds}
         compactor.run(plan.rounds, self._trikv_caches, self._trikv_codecs, block_ids)
@@ -168,7 +172,9 @@ class TriKVWorker(_PlatformWorker):
         rank, world = _tp()
         kv_heads = local_kv_heads(shape.num_kv_heads, rank, world)
         local_shape = ModelShape(shape.model_type, shape.num_layers, len(kv_heads) * shape.group_size, len(kv_heads), shape.head_dim, shape.layout)
-        stats = load_stats(settings.stats) if settings.needs_stats else None  # validated by the scheduler at start-up
+        # workers start before the scheduler: check the statistics against the served model here too
+        check_model(hf_config, settings, self.vllm_config.model_config.model)
+        stats = load_stats(settings.stats) if settings.needs_stats else None
         policy = settings.make_policy(stats)
         if hasattr(policy, "bind_geometry"):
             query_heads = torch.cat([torch.arange(g * shape.group_size, (g + 1) * shape.group_size) for g in kv_heads])
@@ -189,11 +195,13 @@ class TriKVWorker(_PlatformWorker):
                 for record in records]
 
     def trikv_stats(self) -> dict:
-        """Rounds and time spent compacting on this worker."""
+        """Rounds and time spent compacting on this worker; the most requests running at once and the
+        preemptions so far, as the scheduler reported them."""
         compactor = getattr(self.model_runner, "trikv_compactor", None)
         if compactor is None:
-            return {"rounds": 0, "seconds": 0.0}
-        return {"rounds": compactor.rounds, "seconds": compactor.seconds}
+            return {}
+        return {"rounds": compactor.rounds, "seconds": compactor.seconds, "max_running": compactor.max_running,
+                "preemptions": compactor.preemptions}
 
 
 def local_kv_heads(num_kv_heads: int, rank: int, world: int) -> list[int]:

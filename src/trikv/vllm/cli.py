@@ -1,0 +1,95 @@
+"""`trikv vllm-args` (the `vllm serve` flags for a bounded cache) and `trikv serve` (vllm serve with them)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import subprocess
+import sys
+
+
+def _add_settings(parser, default_model: str | None) -> None:
+    parser.add_argument("--method", default="triattention", help="eviction method (`trikv vllm-args --list` lists those vLLM runs)")
+    parser.add_argument("--budget", type=int, default=2048, help="KV entries per (layer, KV head) after a round (default 2048)")
+    parser.add_argument("--divide-length", type=int, default=128, help="slack beta: compact at budget + beta (default 128)")
+    parser.add_argument("--stats", help="statistics: bundled name or path (default: the bundled stats of --model)")
+    parser.add_argument("--no-protect-prompt", action="store_true", help="let prompt tokens compete for the budget")
+    parser.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
+                        help="method option, e.g. recent_window=8 (JSON values; repeatable)")
+    parser.add_argument("--model", default=default_model,
+                        help="model to check the settings against (bundled name or path)" if default_model is None
+                        else "bundled name, local path or hub id (default smollm2-135m)")
+
+
+def _settings(args) -> dict:
+    import json
+
+    from ..policies import REGISTRY
+
+    options = {}
+    for item in args.option:
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--option takes NAME=VALUE, got {item!r}")
+        try:
+            options[name] = json.loads(value)
+        except json.JSONDecodeError:
+            options[name] = value
+    stats = args.stats
+    if stats is None and args.method in REGISTRY and REGISTRY[args.method].needs_stats:
+        stats = args.model
+        if stats is None:
+            raise ValueError(f"method {args.method!r} needs --stats (a bundled name or a `trikv calibrate` file) or --model")
+    return dict(method=args.method, budget=args.budget, divide_length=args.divide_length, stats=stats,
+                protect_prompt=not args.no_protect_prompt, model=args.model, **options)
+
+
+def add_vllm_commands(sub) -> None:
+    p = sub.add_parser("vllm-args", help="print the `vllm serve` flags that bound every request's KV cache")
+    _add_settings(p, default_model=None)
+    p.add_argument("--list", action="store_true", help="list the methods that run inside vLLM and exit")
+    p.set_defaults(func=cmd_vllm_args)
+
+    p = sub.add_parser("serve", help="start `vllm serve` with a bounded KV cache (OpenAI-compatible HTTP server)")
+    _add_settings(p, default_model="smollm2-135m")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--dry-run", action="store_true", help="print the vllm serve command instead of running it")
+    p.add_argument("vllm_args", nargs=argparse.REMAINDER, help="further `vllm serve` arguments, after `--`")
+    p.set_defaults(func=cmd_serve)
+
+
+def cmd_vllm_args(args) -> int:
+    from . import serve_flags, serving_methods
+
+    if args.list:
+        print("\n".join(serving_methods()))
+        return 0
+    print(shlex.join(serve_flags(**_settings(args))))
+    return 0
+
+
+def serve_command(args) -> list[str]:
+    from ..models import REGISTRY, resolve_model_path
+    from . import serve_flags
+
+    settings = _settings(args)
+    path = resolve_model_path(args.model)
+    command = [sys.executable, "-m", "trikv.vllm.launch", "serve", path, "--host", args.host, "--port", str(args.port)]
+    if args.model in REGISTRY:
+        command += ["--served-model-name", args.model]
+    extra = list(args.vllm_args)
+    if extra and extra[0] == "--":
+        extra = extra[1:]
+    return command + serve_flags(**settings) + extra
+
+
+def cmd_serve(args) -> int:
+    command = serve_command(args)
+    if args.dry_run:
+        print(shlex.join(command))
+        return 0
+    print(f"[trikv] {shlex.join(command)}", flush=True)
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    return subprocess.call(command)

@@ -1,0 +1,416 @@
+"""trikv inside vLLM (CPU build), on the bundled SmolLM2: same selection and tokens as the transformers path.
+
+Every engine runs in its own process (`vllm_scenario.py`); the transformers side runs here. The kept set of a
+round is recomputed independently: the same token sequence is replayed through trikv's transformers cache,
+whose policy scores each round itself; the vLLM round must keep the top-`budget` of those scores (entries
+whose score is within `tie` of the cut-off may swap: floating-point ties, counted and reported). The replay
+then keeps vLLM's set, so every round starts from the same state.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import trikv
+from trikv.compat import cache_kwargs
+
+if os.environ.get("TRIKV_REQUIRE_VLLM") == "1":
+    import vllm  # noqa: F401  (the test command installs it: a missing vLLM must fail, not skip)
+else:
+    pytest.importorskip("vllm")
+
+pytestmark = [pytest.mark.real_model, pytest.mark.vllm]
+
+HERE = Path(__file__).parent
+BUDGET, SLACK, BLOCK = 64, 32, 32
+NEW_TOKENS = 200
+
+
+def run_engine(tmp_path: Path, name: str, spec: dict) -> dict:
+    spec = {"model": "smollm2-135m", **spec}
+    spec_path, result_path = tmp_path / f"{name}.json", tmp_path / f"{name}.result.json"
+    spec_path.write_text(json.dumps(spec))
+    done = subprocess.run([sys.executable, str(HERE / "vllm_scenario.py"), str(spec_path), str(result_path)],
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, f"vLLM scenario {name} failed:\n{done.stderr[-6000:]}"
+    return json.loads(result_path.read_text())
+
+
+@pytest.fixture(scope="module")
+def tokenizer(real_model):
+    return real_model[1]
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer):
+    """Three prompts of different lengths; the last is longer than budget + slack (its first round follows the
+    prefill, and it is too long to be protected)."""
+    text = (Path(trikv.__file__).parent / "data" / "analysis_texts" / "prose.txt").read_text()
+    ids = tokenizer(text)["input_ids"]
+    return [ids[:12], ids[100:140], ids[300:420]]
+
+
+@pytest.fixture(scope="module")
+def engines_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("vllm")
+
+
+def _trikv_settings(method="triattention", **extra):
+    settings = {"method": method, "budget": BUDGET, "divide_length": SLACK, "record_rounds": True, **extra}
+    if method.startswith("triattention"):
+        settings["stats"] = "smollm2-135m"
+    return settings
+
+
+@pytest.fixture(scope="module")
+def fp32_run(engines_dir, prompts):
+    return run_engine(engines_dir, "fp32", {"dtype": "float32", "trikv": _trikv_settings(),
+                                            "batches": [{"prompts": prompts, "max_tokens": NEW_TOKENS}]})
+
+
+def _rounds_of(result: dict, request_id: str, rank: int = 0) -> list[dict]:
+    return [r for r in result["rounds"][rank] if r["request_id"].split("-")[0] == request_id]
+
+
+def replay(model, method: str, request: dict, rounds: list[dict], tie: float, stats=None) -> dict:
+    """Feed the request's tokens through trikv's transformers cache with vLLM's budget; check each round's
+    vLLM kept set against the cache's own scores; return counts and the teacher-forced greedy predictions."""
+    cache = trikv.make_cache(model, method, budget=BUDGET, divide_length=SLACK, **({"stats": stats} if stats else {}))
+    policy = cache.policy
+    inner_score = policy.score
+    report = {"rounds": 0, "heads": 0, "tied_heads": 0, "max_tie": 0.0}
+
+    def score(context):
+        scores = inner_score(context)  # [L, 1, Hkv, N]
+        index = report["rounds"]
+        assert index < len(rounds), "the transformers path ran more rounds than vLLM"
+        expected = torch.tensor(rounds[index]["kept_positions"])  # [L, Hkv, B]
+        assert rounds[index]["position"] == int(context.current_position[0]), "rounds at different positions"
+        judged = scores.float().masked_fill(context.protected, float("inf")).masked_fill(context.positions < 0, float("-inf"))[:, 0]
+        positions = context.positions[:, 0]  # [L, Hkv, N]
+        in_expected = (positions[..., None] == expected[:, :, None, :]).any(-1)  # [L, Hkv, N]
+        assert bool((in_expected.sum(-1) == BUDGET).all()), "vLLM kept positions the cache does not hold"
+        cut = judged.topk(BUDGET, dim=-1).values[..., -1:]  # the B-th best score per (layer, head)
+        finite = torch.isfinite(judged)
+        count = finite.sum(-1, keepdim=True).clamp_min(1)
+        mean = judged.masked_fill(~finite, 0).sum(-1, keepdim=True) / count
+        spread = ((judged - mean).masked_fill(~finite, 0).pow(2).sum(-1, keepdim=True) / count).sqrt().clamp_min(1e-6)
+        misplaced = (in_expected & (judged < cut)) | (~in_expected & (judged > cut))
+        distance = ((judged - cut).abs() / spread).masked_fill(~misplaced, 0).nan_to_num(0)
+        worst = float(distance.max())
+        assert worst <= tie, f"round at {rounds[index]['position']}: vLLM kept an entry {worst:.4f} std away from the cut-off"
+        report["rounds"] += 1
+        report["heads"] += in_expected.shape[0] * in_expected.shape[1]
+        report["tied_heads"] += int(misplaced.any(-1).sum())
+        report["max_tie"] = max(report["max_tie"], worst)
+        # keep exactly what vLLM kept, so that the next round starts from the same entries
+        return torch.where(in_expected[:, None], torch.full_like(scores, 1e9), scores)
+
+    policy.score = score
+    ids = torch.tensor([request["prompt"] + request["tokens"]])
+    prompt_length = len(request["prompt"])
+    predictions = []
+    with torch.no_grad():
+        out = model(input_ids=ids[:, :prompt_length], **cache_kwargs(model, cache))
+        predictions.append(int(out.logits[0, -1].argmax()))
+        margins = []
+        for index in range(prompt_length, ids.shape[1] - 1):
+            logits = model(input_ids=ids[:, index : index + 1], **cache_kwargs(model, cache)).logits[0, -1].float()
+            top2 = logits.topk(2).values
+            margins.append(float(top2[0] - top2[1]))
+            predictions.append(int(logits.argmax()))
+    report["predictions"] = predictions
+    report["margins"] = [float("inf")] + margins
+    assert report["rounds"] == len(rounds), f"vLLM ran {len(rounds)} rounds, the transformers path {report['rounds']}"
+    return report
+
+
+def test_eviction_keeps_what_transformers_keeps_fp32(real_model, fp32_run):
+    model, _ = real_model
+    stats = trikv.load_stats("smollm2-135m", model)
+    for request in fp32_run["batches"][0]["requests"]:
+        rounds = _rounds_of(fp32_run, request["request_id"])
+        assert len(rounds) >= 4
+        report = replay(model, "triattention", request, rounds, tie=1e-3, stats=stats)
+        print(f"request {request['request_id']}: {report['rounds']} rounds, {report['tied_heads']} of {report['heads']} "
+              f"(layer, head) sets differ by float ties (max {report['max_tie']:.2e} std)")
+        assert report["predictions"] == request["tokens"]
+
+
+def test_greedy_tokens_equal_transformers_generation_fp32(real_model, tokenizer, fp32_run):
+    """Independent of the replay: trikv.generate's own greedy tokens with the same budget."""
+    model, _ = real_model
+    stats = trikv.load_stats("smollm2-135m", model)
+    requests = fp32_run["batches"][0]["requests"]
+    for request in requests:
+        result = trikv.generate(model, tokenizer, [request["prompt"]], method="triattention", stats=stats, budget=BUDGET,
+                                divide_length=SLACK, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
+        assert result.tokens[0] == request["tokens"]
+
+
+def test_memory_after_each_round(fp32_run):
+    rounds = fp32_run["rounds"][0]
+    assert rounds
+    limit = math.ceil((BUDGET + SLACK) / BLOCK)
+    for record in rounds:
+        assert record["kept_blocks"] == math.ceil(BUDGET / BLOCK) <= limit
+        assert record["freed_blocks"] == math.ceil(record["length"] / BLOCK) - record["kept_blocks"]
+        assert len(record["kept_positions"][0][0]) == BUDGET
+    # the pool's free count moves with what rounds return: every round of a request returns its tail
+    first = [r for r in rounds if r["length"] > BUDGET + SLACK]
+    assert first, "no request had a prompt longer than budget + slack"
+    assert all(r["freed_blocks"] >= 2 for r in first)
+
+
+@pytest.fixture(scope="module")
+def untouched_runs(engines_dir, prompts):
+    batches = [{"prompts": prompts, "max_tokens": 100}]
+    return (run_engine(engines_dir, "plain", {"dtype": "float32", "trikv": None, "batches": batches}),
+            run_engine(engines_dir, "large-budget", {"dtype": "float32", "batches": batches,
+                                                      "trikv": {**_trikv_settings(), "budget": 4096}}))
+
+
+def test_budget_above_every_request_equals_plain_vllm(untouched_runs):
+    plain, bounded = untouched_runs
+    assert [r["tokens"] for r in bounded["batches"][0]["requests"]] == [r["tokens"] for r in plain["batches"][0]["requests"]]
+    assert bounded["rounds"] == [[]]
+    assert bounded["stats"][0]["rounds"] == 0
+
+
+@pytest.mark.parametrize("method", ["streaming", "knorm"])
+def test_query_free_baselines_keep_what_transformers_keeps(real_model, engines_dir, prompts, method):
+    model, _ = real_model
+    run = run_engine(engines_dir, method, {"dtype": "float32", "trikv": _trikv_settings(method),
+                                          "batches": [{"prompts": prompts[1:], "max_tokens": 120}]})
+    for request in run["batches"][0]["requests"]:
+        rounds = _rounds_of(run, request["request_id"])
+        assert rounds
+        report = replay(model, method, request, rounds, tie=1e-3)
+        assert report["predictions"] == request["tokens"]
+
+
+def test_bf16_pages_and_selection(real_model, engines_dir, prompts):
+    """bf16 on this machine uses vLLM's AMX page layout (read exactly: test_page_codec_reads_and_writes_vllm_cpu_pages).
+    vLLM's and transformers' bf16 forwards round differently, so scores near the cut-off swap often; every swap
+    must be within half a standard deviation of the cut-off (a wrong key layout puts kept entries whole standard
+    deviations away), and the teacher-forced tokens must agree except at near-ties of the logits."""
+    model, _ = real_model
+    bf16_model = trikv.load_model("smollm2-135m", dtype=torch.bfloat16)[0]
+    stats = trikv.load_stats("smollm2-135m", bf16_model)
+    run = run_engine(engines_dir, "bf16", {"dtype": "bfloat16", "trikv": _trikv_settings(),
+                                          "batches": [{"prompts": prompts, "max_tokens": 160}]})
+    for request in run["batches"][0]["requests"]:
+        rounds = _rounds_of(run, request["request_id"])
+        assert len(rounds) >= 3
+        report = replay(bf16_model, "triattention", request, rounds, tie=0.5, stats=stats)
+        print(f"bf16 request {request['request_id']}: {report['tied_heads']} of {report['heads']} (layer, head) sets "
+              f"differ by ties (max {report['max_tie']:.3f} std)")
+        disagree = [i for i, (a, b) in enumerate(zip(report["predictions"], request["tokens"])) if a != b]
+        assert len(disagree) <= 0.05 * len(request["tokens"]), disagree
+        assert all(report["margins"][i] < 0.5 for i in disagree), [report["margins"][i] for i in disagree]
+
+
+def test_bounded_requests_fit_four_times_more(engines_dir, tokenizer, prompts):
+    """A pool that holds k = 2 full-attention requests of 640 tokens runs 4k = 8 bounded requests at once."""
+    length, prompt_length = 640, 32
+    full_blocks = length // BLOCK
+    pool = 2 * full_blocks + 1  # + vLLM's null block
+    text_ids = prompts[2] + prompts[1]
+    requests = [(text_ids[i:] + text_ids[:i])[:prompt_length] for i in range(8)]
+    run = run_engine(engines_dir, "concurrency", {
+        "dtype": "float32", "trikv": _trikv_settings(record_rounds=False),
+        "engine": {"num_gpu_blocks_override": pool, "max_model_len": length, "max_num_seqs": 16},
+        "batches": [{"prompts": requests, "max_tokens": length - prompt_length}],
+    })
+    stats = run["stats"][0]
+    assert stats["max_running"] == 8
+    assert stats["preemptions"] == 0
+    assert all(len(r["tokens"]) == length - prompt_length for r in run["batches"][0]["requests"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_page_codec_reads_and_writes_vllm_cpu_pages(dtype):
+    """The codec against vLLM's own CPU KV write (fp32: `vec` pages, keys transposed; bf16 on AMX: VNNI tiles):
+    gathering returns exactly the written keys/values, and scattering writes exactly what vLLM would write."""
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    from trikv.vllm.pages import PageCodec
+
+    blocks, heads, block_size, head_dim = 6, 3, 32, 64
+    isa = _get_attn_isa(dtype, block_size, head_dim)
+
+    def write(keys, values, cache, slots):
+        view = cache.view(cache.shape[0], heads, 2 * block_size, head_dim)
+        key_cache, value_cache = view.chunk(2, dim=2)
+        ops.cpu_attn_reshape_and_cache(keys, values, key_cache, value_cache, slots.long(), isa)
+
+    torch.manual_seed(0)
+    cache = torch.zeros(blocks, heads, block_size, 2 * head_dim, dtype=dtype)
+    codec = PageCodec.learn(write, cache, heads, block_size, head_dim)
+    table = torch.tensor([[4, 1, 3]])  # one request's blocks, out of order
+    length = 3 * block_size - 5
+    keys = torch.randn(length, heads, head_dim).to(dtype)
+    values = torch.randn(length, heads, head_dim).to(dtype)
+    slots = (table[0, torch.arange(length) // block_size] * block_size + torch.arange(length) % block_size)
+    write(keys, values, cache, slots)
+    got_keys, got_values = codec.gather(cache, table)
+    assert torch.equal(got_keys[0, :, :length], keys.transpose(0, 1))
+    assert torch.equal(got_values[0, :, :length], values.transpose(0, 1))
+
+    kept = 40  # scatter the first 40 entries of other keys into blocks [4, 1]: as vLLM would write them
+    new_keys, new_values = torch.randn(2, heads, kept, head_dim).to(dtype).unbind(0)
+    by_vllm = cache.clone()
+    write(new_keys.transpose(0, 1).contiguous(), new_values.transpose(0, 1).contiguous(), by_vllm, slots[:kept])
+    codec.scatter(cache, table[:, :2], new_keys[None], new_values[None])
+    assert torch.equal(cache, by_vllm)
+
+
+def test_tensor_parallel_3_equals_tp_1(engines_dir, prompts, fp32_run):
+    """TP=3 on SmolLM2 (3 KV heads: one per rank, scored with the statistics of its 3 query heads)."""
+    run = run_engine(engines_dir, "tp3", {
+        "dtype": "float32", "trikv": _trikv_settings(),
+        "engine": {"tensor_parallel_size": 3}, "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1|1"},
+        "batches": [{"prompts": prompts, "max_tokens": NEW_TOKENS}],
+    })
+    assert [r["tokens"] for r in run["batches"][0]["requests"]] == [r["tokens"] for r in fp32_run["batches"][0]["requests"]]
+    assert len(run["rounds"]) == 3
+    for request in fp32_run["batches"][0]["requests"]:
+        single = _rounds_of(fp32_run, request["request_id"])
+        for rank in range(3):
+            ranked = _rounds_of(run, request["request_id"], rank)
+            assert [r["position"] for r in ranked] == [r["position"] for r in single]
+            for mine, reference in zip(ranked, single):
+                assert torch.equal(torch.tensor(mine["kept_positions"])[:, 0], torch.tensor(reference["kept_positions"])[:, rank])
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_http_server_streams_a_chat_completion_with_the_bounded_cache(tmp_path):
+    import time
+    import urllib.request
+
+    port = _free_port()
+    log_path = tmp_path / "server.log"
+    command = [sys.executable, "-m", "trikv.cli", "serve", "--budget", str(BUDGET), "--divide-length", str(SLACK), "--port", str(port),
+               "--", "--dtype", "float32", "--max-model-len", "1024", "--block-size", str(BLOCK), "--enforce-eager"]
+    with open(log_path, "w") as log:
+        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
+    try:
+        deadline = time.time() + 300
+        while True:
+            assert server.poll() is None, f"server exited:\n{log_path.read_text()[-4000:]}"
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.time() < deadline, f"server not ready:\n{log_path.read_text()[-4000:]}"
+            time.sleep(2)
+        body = {"model": "smollm2-135m", "stream": True, "max_tokens": 160, "min_tokens": 160, "temperature": 0,
+                "messages": [{"role": "user", "content": "Tell me a long story about a lighthouse keeper."}]}
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        chunks = []
+        with urllib.request.urlopen(request, timeout=300) as response:
+            for line in response:
+                line = line.decode().strip()
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    delta = json.loads(line[6:])["choices"][0]["delta"]
+                    if delta.get("content"):
+                        chunks.append(delta["content"])
+        assert len(chunks) > 50 and "".join(chunks).strip()
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    assert "trikv: request" in log_path.read_text() and "compacted at" in log_path.read_text()
+
+
+# ---- bad configuration: refused at start-up, with a message that names the problem ----------------------
+def _engine_config(**overrides):
+    from vllm import EngineArgs
+
+    from trikv.models import resolve_model_path
+
+    return EngineArgs(model=resolve_model_path("smollm2-135m"), enforce_eager=True, max_model_len=1024, block_size=BLOCK,
+                      **overrides).create_engine_config()
+
+
+def test_bad_settings_are_refused_with_their_name():
+    from trikv.vllm import SettingsError, engine_args
+
+    with pytest.raises(SettingsError, match="unknown method 'nope'"):
+        engine_args(method="nope")
+    with pytest.raises(SettingsError, match="needs observed queries"):
+        engine_args(method="snapkv")
+    with pytest.raises(SettingsError, match="needs calibration statistics"):
+        engine_args(method="triattention")
+    with pytest.raises(SettingsError, match="budget must be a positive integer"):
+        engine_args(method="streaming", budget=0)
+    with pytest.raises(SettingsError, match="has no option"):
+        engine_args(method="streaming", sinks_count=3)
+    with pytest.raises(ValueError, match="no statistics file"):
+        engine_args(method="triattention", stats="/nonexistent/stats.safetensors")
+
+
+def test_unsupported_vllm_version_is_refused():
+    from trikv.vllm import SUPPORTED_VLLM, UnsupportedEngineError, check_vllm_version
+
+    import vllm
+
+    assert check_vllm_version() == vllm.__version__
+    with pytest.raises(UnsupportedEngineError, match=f"vLLM 0.31.0 is not supported by trikv; supported: vllm{SUPPORTED_VLLM}"):
+        check_vllm_version("0.31.0")
+    with pytest.raises(UnsupportedEngineError, match="0.33.1"):
+        check_vllm_version("0.33.1")
+
+
+def test_prefix_caching_and_other_features_are_refused():
+    from trikv.vllm import UnsupportedEngineError, engine_args
+    from trikv.vllm.settings import BoundedKVSettings
+    from trikv.vllm.support import check_engine_config
+
+    args = engine_args(method="streaming", budget=64)
+    settings = BoundedKVSettings.from_config(args["additional_config"])
+    check_engine_config(_engine_config(**args), settings)  # the arguments trikv gives are accepted
+    with pytest.raises(UnsupportedEngineError, match="prefix caching is on"):
+        check_engine_config(_engine_config(**{**args, "enable_prefix_caching": True}), settings)
+    with pytest.raises(UnsupportedEngineError, match="KV cache dtype 'fp8'"):
+        check_engine_config(_engine_config(**{**args, "kv_cache_dtype": "fp8"}), settings)
+
+
+def test_stats_of_another_model_are_refused(tmp_path):
+    """Statistics calibrated on another model (here a tiny random Llama) stop the engine at start-up."""
+    from helpers import tiny_model
+
+    from trikv.calibration import calibrate
+    from trikv.vllm import engine_args
+
+    model = tiny_model("llama")
+    stats_path = tmp_path / "tiny.safetensors"
+    calibrate(model, torch.randint(1, 90, (64,)), source="random", progress=False).save(stats_path)
+    with pytest.raises(ValueError, match="do not match the model: num_layers is 3 in the stats"):
+        engine_args(method="triattention", stats=str(stats_path), model="smollm2-135m")
+    # the same file given to vLLM directly: the engine refuses to start and says why
+    spec = {"dtype": "float32", "trikv": {"method": "triattention", "budget": 64, "stats": str(stats_path)}, "batches": []}
+    spec_path = tmp_path / "bad.json"
+    spec_path.write_text(json.dumps({"model": "smollm2-135m", **spec}))
+    done = subprocess.run([sys.executable, str(HERE / "vllm_scenario.py"), str(spec_path), str(tmp_path / "bad.result.json")],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode != 0
+    assert "do not match the model: num_layers is 3 in the stats" in done.stdout + done.stderr
