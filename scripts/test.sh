@@ -1,7 +1,15 @@
 #!/usr/bin/env bash
-# Set up, then run the test suite.
+# Set up, then run the test suite at both ends of trikv's transformers range (what CI runs):
+#   .venv         vLLM 0.32 (CPU build here) + transformers 5.19 (vLLM's pin): every test, the vLLM ones included
+#   .venv-upper   transformers 5.24 (the newest release in the range), no vLLM: every test but the vLLM ones
+# Extra arguments go to both pytest runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
-. .venv/bin/activate
-exec python -m pytest -q tests "$@"
+bash scripts/setup.sh --with-vllm
+TRIKV_VENV=.venv-upper TRIKV_TRANSFORMERS="transformers>=5.24,<5.25" bash scripts/setup.sh
+status=0
+echo "== transformers $(.venv/bin/python -c 'import transformers; print(transformers.__version__)') + vLLM $(.venv/bin/python -c 'import vllm; print(vllm.__version__)')"
+TRIKV_REQUIRE_VLLM=1 .venv/bin/python -m pytest -q tests "$@" || status=1
+echo "== transformers $(.venv-upper/bin/python -c 'import transformers; print(transformers.__version__)')"
+.venv-upper/bin/python -m pytest -q tests -m "not vllm" "$@" || status=1
+exit $status

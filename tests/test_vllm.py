@@ -201,7 +201,8 @@ def test_bf16_pages_and_selection(real_model, engines_dir, prompts):
     """bf16 on this machine uses vLLM's AMX page layout (read exactly: test_page_codec_reads_and_writes_vllm_cpu_pages).
     vLLM's and transformers' bf16 forwards round differently, so scores near the cut-off swap often; every swap
     must be within half a standard deviation of the cut-off (a wrong key layout puts kept entries whole standard
-    deviations away), and the teacher-forced tokens must agree except at near-ties of the logits."""
+    deviations away), and teacher-forced tokens may differ only where the transformers logits tie within bf16's
+    resolution."""
     model, _ = real_model
     bf16_model = trikv.load_model("smollm2-135m", dtype=torch.bfloat16)[0]
     stats = trikv.load_stats("smollm2-135m", bf16_model)
@@ -213,9 +214,11 @@ def test_bf16_pages_and_selection(real_model, engines_dir, prompts):
         report = replay(bf16_model, "triattention", request, rounds, tie=0.5, stats=stats)
         print(f"bf16 request {request['request_id']}: {report['tied_heads']} of {report['heads']} (layer, head) sets "
               f"differ by ties (max {report['max_tie']:.3f} std)")
+        # bf16 logits of this size are multiples of 1/16 - 1/8: a different argmax must be a tie or one step from it
         disagree = [i for i, (a, b) in enumerate(zip(report["predictions"], request["tokens"])) if a != b]
-        assert len(disagree) <= 0.05 * len(request["tokens"]), disagree
-        assert all(report["margins"][i] < 0.5 for i in disagree), [report["margins"][i] for i in disagree]
+        print(f"bf16 request {request['request_id']}: {len(disagree)} of {len(request['tokens'])} teacher-forced tokens "
+              f"differ, top-2 logit margins {[report['margins'][i] for i in disagree]}")
+        assert all(report["margins"][i] <= 0.25 for i in disagree), [report["margins"][i] for i in disagree]
 
 
 def test_bounded_requests_fit_four_times_more(engines_dir, tokenizer, prompts):
@@ -239,7 +242,8 @@ def test_bounded_requests_fit_four_times_more(engines_dir, tokenizer, prompts):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_page_codec_reads_and_writes_vllm_cpu_pages(dtype):
     """The codec against vLLM's own CPU KV write (fp32: `vec` pages, keys transposed; bf16 on AMX: VNNI tiles):
-    gathering returns exactly the written keys/values, and scattering writes exactly what vLLM would write."""
+    gathering returns exactly the written keys/values, and moving kept entries to the front writes exactly what
+    vLLM writes for them."""
     from vllm import _custom_ops as ops
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
@@ -266,11 +270,13 @@ def test_page_codec_reads_and_writes_vllm_cpu_pages(dtype):
     assert torch.equal(got_keys[0, :, :length], keys.transpose(0, 1))
     assert torch.equal(got_values[0, :, :length], values.transpose(0, 1))
 
-    kept = 40  # scatter the first 40 entries of other keys into blocks [4, 1]: as vLLM would write them
-    new_keys, new_values = torch.randn(2, heads, kept, head_dim).to(dtype).unbind(0)
+    # moving kept entries to the front writes exactly what vLLM writes for those entries at those slots
+    order = torch.stack([torch.randperm(length)[:40].sort().values for _ in range(heads)])[None]  # [1, Hkv, 40]
+    kept_keys = keys.transpose(0, 1).gather(1, order[0, :, :, None].expand(heads, 40, head_dim))  # [Hkv, 40, D]
+    kept_values = values.transpose(0, 1).gather(1, order[0, :, :, None].expand(heads, 40, head_dim))
     by_vllm = cache.clone()
-    write(new_keys.transpose(0, 1).contiguous(), new_values.transpose(0, 1).contiguous(), by_vllm, slots[:kept])
-    codec.scatter(cache, table[:, :2], new_keys[None], new_values[None])
+    write(kept_keys.transpose(0, 1).contiguous(), kept_values.transpose(0, 1).contiguous(), by_vllm, slots[:40])
+    codec.move(cache, table, order)
     assert torch.equal(cache, by_vllm)
 
 

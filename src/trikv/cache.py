@@ -693,6 +693,7 @@ def _pre_forward_hook(module, args, kwargs):
                 f"`**trikv.compat.cache_kwargs(model, cache)` (or `{expected}=cache`)"
             )
         module._trikv_seen_before = cache.seen
+        unclaimed_attention_state()  # forget a state parked by a direct update() call outside any forward
         tokens = kwargs.get("input_ids")
         if tokens is None:
             tokens = kwargs.get("inputs_embeds")

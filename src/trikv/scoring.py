@@ -120,7 +120,8 @@ class TriScorer:
         weights[..., self.geometry.real_index] = coefficient.real
         weights[..., self.geometry.imag_index] = coefficient.imag
         weights = weights.view(L, b, self.num_kv_heads, self.group, -1).transpose(-1, -2)
-        return weights.to(device=keys.device, dtype=keys.dtype)
+        # float32 whatever the keys' dtype: bf16 / fp16 weights would score half-precision models with ~3 digits
+        return weights.to(device=keys.device, dtype=torch.float32)
 
 
 def zscore(scores: torch.Tensor, candidates: torch.Tensor, min_std: float = 1e-6) -> torch.Tensor:

@@ -25,7 +25,13 @@ class BenchCommand:
 BENCH_COMMANDS: dict[str, BenchCommand] = {}
 
 # modules whose import registers bench subcommands; add yours here (one line)
-BENCH_MODULES = ["trikv.benchmarks.quality.cli", "trikv.benchmarks.speed", "trikv.benchmarks.speed_report"]
+BENCH_MODULES = [
+    "trikv.benchmarks.quality.cli",
+    "trikv.benchmarks.speed",
+    "trikv.benchmarks.speed_report",
+    "trikv.benchmarks.serving",
+    "trikv.benchmarks.serving_report",
+]
 
 
 def register_bench(name: str, add_arguments: Callable[[argparse.ArgumentParser], None], help: str = "") -> None:

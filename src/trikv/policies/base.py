@@ -18,7 +18,7 @@ from ..architectures import ModelShape
 @dataclass
 class ScoringContext:
     keys: torch.Tensor  # [L, b, Hkv, N, D] post-RoPE, as attention sees them
-    values: torch.Tensor  # [L, b, Hkv, N, D]
+    values: torch.Tensor | None  # [L, b, Hkv, N, D]; None where the cache scores keys only (inside vLLM)
     positions: torch.Tensor  # [L, b, Hkv, N] long: RoPE position of each entry, -1 for padding
     candidates: torch.Tensor  # [L, b, Hkv, N] bool: entries that compete (not padding, not protected)
     current_position: torch.Tensor  # [b] long: tokens seen so far by each row (= next RoPE position)

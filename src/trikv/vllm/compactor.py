@@ -77,6 +77,7 @@ class Compactor:
         self.seconds = 0.0
         self.max_running = 0
         self.preemptions = 0
+        self.compacted: set[str] = set()  # every request compacted at least once
         self._warned_prompt = False
 
     def note_step(self, running: int, preemptions: int) -> None:
@@ -110,9 +111,15 @@ class Compactor:
         table = table.to(device)
         N = blocks_needed * block_size
 
-        gathered = [codec.gather(cache, table) for codec, cache in zip(codecs, kv_caches)]
-        keys = torch.stack([k for k, _ in gathered])  # [L, R, Hkv, N, D]
-        values = torch.stack([v for _, v in gathered])
+        located: dict[int, tuple] = {}  # one element index per page layout, shared by the layers that have it
+
+        def where(codec: PageCodec, cache: torch.Tensor) -> tuple:
+            if id(codec) not in located:
+                located[id(codec)] = codec.locate(table, cache[0].numel())
+            return located[id(codec)]
+
+        keys = torch.stack([codec.gather(cache, table, where(codec, cache), keys_only=True)
+                            for codec, cache in zip(codecs, kv_caches)])  # [L, R, Hkv, N, D]
         L, _, H = keys.shape[:3]
         positions = self._positions(rounds, L, H, N, device)  # [L, R, Hkv, N]
         dead = positions < 0
@@ -126,7 +133,7 @@ class Compactor:
         protected = protected_entries(positions, t, prompt, budget, window, self.min_decode_room, self.protect_prompt) & ~dead
         context = ScoringContext(
             keys=keys,
-            values=values,
+            values=None,  # the methods served inside vLLM score keys only
             positions=positions,
             candidates=~(dead | protected),
             current_position=t,
@@ -137,15 +144,11 @@ class Compactor:
         scores = scores.masked_fill(protected, float("inf")).masked_fill(dead, float("-inf"))
         order = scores.topk(budget, dim=-1, sorted=False).indices.sort(dim=-1).values  # [L, R, Hkv, budget]
         kept_positions = positions.gather(3, order)
-        D = keys.shape[-1]
-        index = order[..., None].expand(L, R, H, budget, D)
-        kept_keys, kept_values = keys.gather(3, index), values.gather(3, index)
-        kept_blocks = -(-budget // block_size)
-        target = table[:, :kept_blocks]
         for layer, (codec, cache) in enumerate(zip(codecs, kv_caches)):
-            codec.scatter(cache, target, kept_keys[layer], kept_values[layer])
+            codec.move(cache, table, order[layer], where(codec, cache))  # kept entries into slots [0, budget)
         for row, op in enumerate(rounds):
             self.kept_positions[op.request_id] = kept_positions[:, row].clone()
+            self.compacted.add(op.request_id)
             if self.record:
                 self.records.append(RoundRecord(op.request_id, op.position, op.length, op.kept_blocks, op.freed_blocks,
                                                 op.free_blocks, op.held_blocks, kept_positions[:, row].cpu().clone()))

@@ -83,39 +83,38 @@ class PageCodec:
             offsets[part] = table
         return cls(offsets["key"], offsets["value"], block_size)
 
-    def gather(self, kv_cache: torch.Tensor, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of `block_table` [R, nb] (block ids, row per request) -> two [R, Hkv, nb * N, D]."""
+    def locate(self, block_table: torch.Tensor, page_elements: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Flat-cache index of every key and every value element of the blocks `block_table` [R, nb]: two
+        [R, Hkv, nb N, D] long tensors (the same for every layer whose cache has this layout)."""
         R, nb = block_table.shape
         H, N, D = self.key_offsets.shape
-        pages = _pages(kv_cache).index_select(0, block_table.flatten())  # [R nb, page]
-        keys = pages[:, self.key_offsets.flatten()].view(R, nb, H, N, D)
-        values = pages[:, self.value_offsets.flatten()].view(R, nb, H, N, D)
-        return (keys.permute(0, 2, 1, 3, 4).reshape(R, H, nb * N, D), values.permute(0, 2, 1, 3, 4).reshape(R, H, nb * N, D))
+        starts = (block_table.to(self.key_offsets.device) * page_elements).view(R, nb, 1, 1, 1)
+        return tuple(  # type: ignore[return-value]
+            (starts + offsets[None, None]).permute(0, 2, 1, 3, 4).reshape(R, H, nb * N, D)
+            for offsets in (self.key_offsets, self.value_offsets)
+        )
 
-    def scatter(self, kv_cache: torch.Tensor, block_table: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Write keys/values [R, Hkv, n, D] into slots [0, n) of the blocks `block_table` [R, kb] (kb N >= n).
+    def gather(self, kv_cache: torch.Tensor, block_table: torch.Tensor, located=None, keys_only: bool = False):
+        """Keys and values of `block_table` [R, nb] (block ids, row per request) -> two [R, Hkv, nb * N, D]
+        (or the keys alone). `located`: `locate(...)` of these blocks, when the caller already has it."""
+        flat, page_elements = _flat(kv_cache)
+        key_index, value_index = located if located is not None else self.locate(block_table, page_elements)
+        keys = flat[key_index]
+        return keys if keys_only else (keys, flat[value_index])
 
-        The other slots of the last block keep what they held (vLLM overwrites them before it reads them).
-        """
-        R, kb = block_table.shape
-        H, N, D = self.key_offsets.shape
-        n = keys.shape[2]
-        if n > kb * N:
-            raise ValueError(f"{n} entries do not fit in {kb} blocks of {N} slots")
-        flat_blocks = block_table.flatten()
-        pages = _pages(kv_cache).index_select(0, flat_blocks).view(R, -1)  # [R, kb page]
-        page_elements = pages.shape[1] // kb
-        slot = torch.arange(kb * N, device=keys.device).view(kb, 1, N, 1).expand(kb, H, N, D)
-        written = slot < n  # [kb, H, N, D]
-        block_start = (torch.arange(kb, device=keys.device) * page_elements).view(kb, 1, 1, 1)
-        for offsets, entries in ((self.key_offsets, keys), (self.value_offsets, values)):
-            index = (block_start + offsets[None])[written]  # [kb H N D][written]: offsets into a request's pages
-            padded = torch.nn.functional.pad(entries.to(pages.dtype), (0, 0, 0, kb * N - n))  # [R, H, kb N, D]
-            source = padded.view(R, H, kb, N, D).permute(0, 2, 1, 3, 4)[:, written]  # [R, written]
-            pages[:, index] = source
-        kv_cache[flat_blocks] = pages.view(R * kb, *kv_cache.shape[1:])
+    def move(self, kv_cache: torch.Tensor, block_table: torch.Tensor, order: torch.Tensor, located=None) -> None:
+        """In place: slot i of every request and KV head takes the key and value of slot order[r, h, i]
+        (order [R, Hkv, n], within the request's blocks `block_table` [R, nb]); slots past n are untouched."""
+        flat, page_elements = _flat(kv_cache)
+        key_index, value_index = located if located is not None else self.locate(block_table, page_elements)
+        n, D = order.shape[-1], key_index.shape[-1]
+        rows = order[..., None].expand(*order.shape, D)
+        for index in (key_index, value_index):
+            flat[index[:, :, :n]] = flat[index.gather(2, rows)]  # the right side is read whole before the write
 
 
-def _pages(kv_cache: torch.Tensor) -> torch.Tensor:
-    """[num_blocks, page elements] (a view when the cache is contiguous)."""
-    return kv_cache.reshape(kv_cache.shape[0], -1)
+def _flat(kv_cache: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The cache as one flat view (no copy) and the elements per block page."""
+    if not kv_cache.is_contiguous():
+        raise RuntimeError("trikv reads vLLM KV caches whose blocks are contiguous; this one is not")
+    return kv_cache.view(-1), kv_cache[0].numel()

@@ -22,6 +22,7 @@ from vllm.platforms import current_platform
 
 from ..architectures import ModelShape, config_shape
 from ..calibration import load_stats
+from ..fast import accelerate
 from ..geometry import RopeGeometry
 from .compactor import Compactor, StepPlan
 from .pages import PageCodec
@@ -179,6 +180,7 @@ class TriKVWorker(_PlatformWorker):
         if hasattr(policy, "bind_geometry"):
             query_heads = torch.cat([torch.arange(g * shape.group_size, (g + 1) * shape.group_size) for g in kv_heads])
             policy.bind_geometry(RopeGeometry.from_config(hf_config), local_shape, query_heads)
+            accelerate(policy)  # the same scores without per-element index copies
         return Compactor(policy, settings.protect_prompt, settings.min_decode_room, record=settings.record_rounds)
 
     # ---- reports, through `LLM.collective_rpc` --------------------------------------------------------
@@ -196,12 +198,12 @@ class TriKVWorker(_PlatformWorker):
 
     def trikv_stats(self) -> dict:
         """Rounds and time spent compacting on this worker; the most requests running at once and the
-        preemptions so far, as the scheduler reported them."""
+        preemptions so far, as the scheduler reported them; the ids of the requests compacted so far."""
         compactor = getattr(self.model_runner, "trikv_compactor", None)
         if compactor is None:
             return {}
         return {"rounds": compactor.rounds, "seconds": compactor.seconds, "max_running": compactor.max_running,
-                "preemptions": compactor.preemptions}
+                "preemptions": compactor.preemptions, "compacted": sorted(compactor.compacted)}
 
 
 def local_kv_heads(num_kv_heads: int, rank: int, world: int) -> list[int]:

@@ -1,0 +1,181 @@
+"""`trikv bench serve`: throughput of vLLM serving long generations, full attention vs trikv's bounded cache.
+
+Every configuration (method, budget, concurrency) runs in a fresh engine process with the same fixed KV
+pool (`--pool-requests` full-attention requests of `--length` tokens) and the same protocol
+(`serving_engine.py`: N concurrent long generations, pre-aged first requests, replaced as they finish, a
+steady-state window). Results: `serving.json` in `--out` (every run, plus the ratios against full attention
+at the same concurrency), a table on stdout, `throughput.png`; `trikv bench serve-report` turns run folders
+into `docs/serving.md`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from . import register_bench
+
+TARGET_RATIO = 2.5  # output tokens/s of B=512 over full attention at 32 concurrent 8K generations
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--length", type=int, default=8192, help="tokens per request, prompt included (default 8192)")
+    parser.add_argument("--pool-requests", type=int, default=4, help="the KV pool holds this many full-length requests (default 4)")
+    parser.add_argument("--concurrency", default="32", help="comma-separated request slots (default 32)")
+    parser.add_argument("--methods", default="full,triattention", help="comma-separated: full and methods vLLM runs")
+    parser.add_argument("--budgets", default="512", help="comma-separated budgets for the bounded methods (default 512)")
+    parser.add_argument("--divide-length", type=int, default=128)
+    parser.add_argument("--block-size", type=int, default=32)
+    parser.add_argument("--window", type=float, default=150.0, help="seconds measured in steady state (default 150)")
+    parser.add_argument("--warmup-max", type=float, default=600.0, help="longest warm-up before the window (default 600 s)")
+    parser.add_argument("--http", action="store_true", help="also drive each configuration through the HTTP server")
+    parser.add_argument("--out", default="runs/serve", help="output folder (default runs/serve)")
+    parser.set_defaults(func=main)
+
+
+def _configurations(args) -> list[dict]:
+    budgets = [int(b) for b in args.budgets.split(",") if b.strip()]
+    configs = []
+    for concurrency in [int(c) for c in args.concurrency.split(",")]:
+        for method in [m.strip() for m in args.methods.split(",") if m.strip()]:
+            for budget in ([None] if method == "full" else budgets):
+                configs.append({"method": method, "budget": budget, "concurrency": concurrency})
+    return configs
+
+
+def _spec(args, config: dict, mode: str, out: Path, port: int) -> dict:
+    pool_blocks = args.pool_requests * math.ceil(args.length / args.block_size) + 1  # + vLLM's null block
+    spec = {
+        "model": args.model, "dtype": args.dtype, "block_size": args.block_size, "length": args.length,
+        "concurrency": config["concurrency"], "pool_blocks": pool_blocks, "max_batched_tokens": 2048, "short_prompt": 32,
+        "stagger": args.divide_length,
+        "warmup_max": args.warmup_max, "window": args.window, "mode": mode, "port": port,
+        "log": str(out / f"{_label(config)}-{mode}.server.log"),
+    }
+    if config["method"] != "full":
+        trikv = {"method": config["method"], "budget": config["budget"], "divide_length": args.divide_length}
+        from ..policies import REGISTRY
+
+        if REGISTRY[config["method"]].needs_stats:
+            trikv["stats"] = args.model
+        spec["trikv"] = trikv
+    return spec
+
+
+def _label(config: dict) -> str:
+    name = config["method"] if config["budget"] is None else f"{config['method']}-B{config['budget']}"
+    return f"{name}-n{config['concurrency']}"
+
+
+def run_one(spec: dict, out: Path, label: str) -> dict:
+    spec_path, result_path = out / f"{label}.spec.json", out / f"{label}.json"
+    spec_path.write_text(json.dumps(spec, indent=2))
+    log_path = out / f"{label}.log"
+    with open(log_path, "w") as log:
+        done = subprocess.run([sys.executable, "-m", "trikv.benchmarks.serving_engine", str(spec_path), str(result_path)],
+                              stdout=log, stderr=subprocess.STDOUT)
+    if done.returncode != 0:
+        tail = log_path.read_text()[-3000:]
+        raise RuntimeError(f"serving run {label} failed (log: {log_path}):\n{tail}")
+    return json.loads(result_path.read_text())
+
+
+def main(args) -> int:
+    from ..vllm import check_vllm_version
+
+    check_vllm_version()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    configs = _configurations(args)
+    modes = ["offline"] + (["http"] if args.http else [])
+    runs = []
+    started = time.perf_counter()
+    for index, config in enumerate(configs):
+        for mode in modes:
+            label = f"{_label(config)}-{mode}"
+            print(f"[{index + 1}/{len(configs)}] {label} ...", flush=True)
+            result = run_one(_spec(args, config, mode, out, 8100 + index), out, label)
+            runs.append({**config, "mode": mode, **{k: v for k, v in result.items() if k != "spec"}})
+            print(f"    {result['output_tokens_per_second']:.1f} output tok/s over {result['window_seconds']:.0f} s "
+                  f"(warm-up {result['warmup_seconds']:.0f} s)", flush=True)
+    _add_ratios(runs)
+    record = {
+        "command": "trikv bench serve " + " ".join(sys.argv[3:]) if sys.argv[1:3] == ["bench", "serve"] else None,
+        "settings": {k: v for k, v in vars(args).items() if k != "func"},
+        "pool_blocks": _spec(args, configs[0], "offline", out, 0)["pool_blocks"],
+        "runs": runs,
+        "elapsed_seconds": time.perf_counter() - started,
+        "machine": _machine(),
+    }
+    (out / "serving.json").write_text(json.dumps(record, indent=2))
+    print(format_table(record))
+    plot(record, out / "throughput.png")
+    return 0
+
+
+def _add_ratios(runs: list[dict]) -> None:
+    for run in runs:
+        full = next((r for r in runs if r["method"] == "full" and r["concurrency"] == run["concurrency"] and r["mode"] == run["mode"]), None)
+        run["throughput_vs_full"] = None if full is None or not full["output_tokens_per_second"] else (
+            run["output_tokens_per_second"] / full["output_tokens_per_second"])
+
+
+def _machine() -> dict:
+    import os
+    import platform
+
+    import torch
+
+    return {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "platform": platform.platform()}
+
+
+def format_table(record: dict) -> str:
+    header = f"{'run':<28} {'mode':<7} {'tok/s':>7} {'x full':>7} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9} {'preempt':>7} {'peak blocks':>11}"
+    lines = [header, "-" * len(header)]
+    for run in record["runs"]:
+        def seconds(value):
+            return "-" if value is None else f"{value:.3f}"
+
+        ratio = "-" if run.get("throughput_vs_full") is None else f"{run['throughput_vs_full']:.2f}"
+        preempt = run.get("preemptions_in_window")
+        lines.append(
+            f"{_label(run):<28} {run['mode']:<7} {run['output_tokens_per_second']:>7.1f} {ratio:>7} "
+            f"{seconds(run['ttft_seconds']['p50']):>9} {seconds(run['ttft_seconds']['p99']):>9} "
+            f"{seconds(run['tpot_seconds']['p50']):>9} {seconds(run['tpot_seconds']['p99']):>9} "
+            f"{'-' if preempt is None else int(preempt):>7} {run.get('peak_kv_blocks', '-'):>11}"
+        )
+    return "\n".join(lines)
+
+
+def plot(record: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(6.4, 4.0))
+    series: dict[str, list[tuple[int, float]]] = {}
+    for run in record["runs"]:
+        name = (run["method"] if run["budget"] is None else f"{run['method']} B={run['budget']}") + f" ({run['mode']})"
+        series.setdefault(name, []).append((run["concurrency"], run["output_tokens_per_second"]))
+    for name, points in series.items():
+        points.sort()
+        axis.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name)
+    settings = record["settings"]
+    axis.set_xlabel("concurrent requests")
+    axis.set_ylabel("output tokens / s (steady state)")
+    axis.set_title(f"{settings['model']}, {settings['length']}-token generations, pool = {settings['pool_requests']} full requests", fontsize=9)
+    axis.grid(alpha=0.3)
+    axis.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+register_bench("serve", add_arguments, "vLLM serving throughput: full attention vs bounded KV at a fixed KV pool")
