@@ -141,8 +141,10 @@ class TriKVWorker(_PlatformWorker):
     `additional_config["trikv"]`; without them it behaves exactly as vLLM's own worker)."""
 
     def init_device(self):
-        super().init_device()
         self.trikv = BoundedKVSettings.from_config(self.vllm_config.additional_config)
+        if self.trikv is not None:  # workers start before the scheduler: refuse bad settings before loading weights
+            check_model(self.vllm_config.model_config.hf_config, self.trikv, self.vllm_config.model_config.model)
+        super().init_device()
         if self.trikv is None:
             return
         from vllm.v1.worker.gpu_model_runner import GPUModelRunner
@@ -173,8 +175,6 @@ class TriKVWorker(_PlatformWorker):
         rank, world = _tp()
         kv_heads = local_kv_heads(shape.num_kv_heads, rank, world)
         local_shape = ModelShape(shape.model_type, shape.num_layers, len(kv_heads) * shape.group_size, len(kv_heads), shape.head_dim, shape.layout)
-        # workers start before the scheduler: check the statistics against the served model here too
-        check_model(hf_config, settings, self.vllm_config.model_config.model)
         stats = load_stats(settings.stats) if settings.needs_stats else None
         policy = settings.make_policy(stats)
         if hasattr(policy, "bind_geometry"):
