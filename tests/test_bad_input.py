@@ -96,7 +96,7 @@ def test_triattention_without_stats():
 @pytest.mark.parametrize("budget", [0, -5, 2.5])
 def test_non_positive_budget(budget):
     model = tiny_model("llama")
-    with pytest.raises(ValueError, match="budget must be a positive integer"):
+    with pytest.raises(ValueError, match="budget must be an integer >= 1"):
         trikv.TriAttentionCache(model, tiny_stats(model), budget=budget)
 
 
@@ -170,3 +170,197 @@ def test_prompt_too_long_for_protection_competes_and_warns(caplog):
     assert sum("competes" in r.message for r in caplog.records) == 1  # said once
     kept = cache.positions[:, 0, :, : cache.length]
     assert bool((kept >= 40).any())  # generated tokens survive: the prompt did not crowd them out
+
+
+@pytest.mark.parametrize("rope_type", ["dynamic", "longrope"])
+def test_dynamic_rope_is_refused(rope_type):
+    """Frequencies that change with the sequence length would no longer match the cached keys."""
+    parameters = {"rope_type": rope_type, "factor": 2.0, "rope_theta": 10000.0}
+    if rope_type == "longrope":
+        half = 8  # head_dim 16 / 2
+        parameters |= {"short_factor": [1.0] * half, "long_factor": [2.0] * half, "original_max_position_embeddings": 1024}
+    model = tiny_model("llama", rope_parameters=parameters)
+    with pytest.raises(UnsupportedModelError, match=f"RoPE type '{rope_type}' changes its frequencies"):
+        trikv.make_cache(model, "triattention", budget=16, stats=tiny_stats(tiny_model("llama")))
+    with pytest.raises(UnsupportedModelError, match="changes its frequencies"):
+        calibrate(model, torch.randint(1, 96, (32,)), source="test", progress=False)
+
+
+def test_a_forward_that_ignores_the_cache_is_refused():
+    """Before transformers 5.24 the cache keyword is `past_key_values`: a model given `cache=` runs without the
+    trikv cache, and trikv says so. From 5.24 on, `past_key_values=` is a deprecated alias that still works."""
+    from trikv.compat import cache_argument
+
+    model = tiny_model("llama")
+    ids = torch.ones(1, 4, dtype=torch.long)
+    cache = trikv.make_cache(model, "streaming", budget=16)
+    if cache_argument(model) == "past_key_values":
+        with pytest.raises(RuntimeError, match="without writing to the trikv cache .* takes the cache as `past_key_values=`"):
+            model(input_ids=ids, cache=cache)
+    else:
+        reference = trikv.make_cache(model, "streaming", budget=16)
+        torch.testing.assert_close(model(input_ids=ids, past_key_values=cache).logits, model(input_ids=ids, cache=reference).logits)
+        assert cache.seen == reference.seen == 4
+
+
+# ---- settings that used to be ignored or to fail late ------------------------------------------------
+def test_full_attention_refuses_a_budget_it_would_ignore():
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="'full' keeps every entry and takes no budget"):
+        trikv.make_cache(model, "full", budget=512)
+    with pytest.raises(ValueError, match="'full' keeps every entry and takes no budget"):
+        trikv.generate(model, _Tok(), [[1, 2, 3]], method="full", budget=512, max_new_tokens=2)
+    assert trikv.make_cache(model, "full").budget is None
+
+
+@pytest.mark.parametrize("name,value", [("budget", True), ("budget", 64.0), ("divide_length", 16.0), ("budget", -1), ("divide_length", 0)])
+def test_non_integer_settings_are_refused_where_given(name, value):
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match=f"{name} must be an integer"):
+        trikv.make_cache(model, "streaming", **{"budget": 64, name: value})
+
+
+def test_numpy_integers_are_accepted():
+    import numpy
+
+    cache = trikv.make_cache(tiny_model("llama"), "streaming", budget=numpy.int64(64), divide_length=numpy.int32(16))
+    assert cache.budget == 64 and cache.divide_length == 16 and type(cache.budget) is int
+
+
+class _Tok:
+    pad_token_id, eos_token_id, chat_template = 0, None, None
+
+    def decode(self, ids, skip_special_tokens=True):
+        return ""
+
+
+def test_generate_with_a_cache_refuses_settings_the_cache_already_fixes():
+    model = tiny_model("llama")
+    cache = trikv.make_cache(model, "streaming", budget=32)
+    for given in ({"budget": 64}, {"method": "knorm"}, {"divide_length": 8}, {"stats": tiny_stats(model)}, {"sinks": 2}):
+        with pytest.raises(ValueError, match="given together with cache"):
+            trikv.generate(model, _Tok(), [[1, 2, 3]], cache=cache, max_new_tokens=2, **given)
+
+
+def test_a_cache_holding_a_conversation_is_not_silently_continued():
+    model = tiny_model("llama")
+    cache = trikv.make_cache(model, "streaming", budget=32)
+    first = trikv.generate(model, _Tok(), [[5, 6, 7, 8]], cache=cache, max_new_tokens=6, min_new_tokens=6)
+    with pytest.raises(ValueError, match=r"already holds \d+ tokens .* cache.reset\(\)"):
+        trikv.generate(model, _Tok(), [[9, 10, 11]], cache=cache, max_new_tokens=6)
+    cache.reset()
+    again = trikv.generate(model, _Tok(), [[5, 6, 7, 8]], cache=cache, max_new_tokens=6, min_new_tokens=6)
+    assert again.tokens == first.tokens
+
+
+def test_sampling_settings_out_of_range_are_refused():
+    model = tiny_model("llama")
+    for options, message in ((dict(max_new_tokens=-5), "max_new_tokens must be an integer >= 1"),
+                             (dict(do_sample=True, top_p=1.5), r"top_p must be in \(0, 1\]"),
+                             (dict(do_sample=True, temperature=0.0), "temperature must be > 0")):
+        with pytest.raises(ValueError, match=message):
+            trikv.generate(model, _Tok(), [[1, 2]], method="streaming", budget=16, **options)
+
+
+def test_a_cache_made_for_another_model_is_refused():
+    first, second = tiny_model("llama", seed=0), tiny_model("llama", seed=1)
+    cache = trikv.make_cache(first, "streaming", budget=16)
+    with pytest.raises(ValueError, match="made for another model"):
+        second(input_ids=torch.ones(1, 4, dtype=torch.long), **cache_kwargs(second, cache))
+
+
+def test_a_prompt_past_the_trained_positions_warns(caplog):
+    model = tiny_model("llama", max_position_embeddings=48)
+    with caplog.at_level("WARNING"):
+        trikv.generate(model, _Tok(), [list(range(1, 41))], method="streaming", budget=16, max_new_tokens=12, min_new_tokens=12)
+    assert sum("trained positions" in r.message for r in caplog.records) == 1
+
+
+def test_calibrating_on_a_few_tokens_warns(caplog):
+    with caplog.at_level("WARNING"):
+        calibrate(tiny_model("llama"), torch.randint(1, 96, (11,)), source="test", progress=False)
+    assert "calibrating on 11 tokens only" in caplog.text
+
+
+def test_tam_without_a_tokenizer_and_tam_with_an_ignored_slack_are_refused():
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="needs the model's tokenizer"):
+        trikv.make_cache(model, "tam", budget=64)
+    with pytest.raises(ValueError, match="paper's schedule .* ignores divide_length=32"):
+        trikv.make_cache(model, "tam", budget=64, divide_length=32, boundary_ids=(3,))
+    assert trikv.make_cache(model, "tam-shared", budget=64, divide_length=32, boundary_ids=(3,)).divide_length == 32
+
+
+# ---- statistics that cannot be trusted -------------------------------------------------------------
+def _rewrite_stats(path, tensors=None, metadata=None):
+    import json
+
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as handle:
+        meta = json.loads(handle.metadata()["trikv"])
+    data = load_file(str(path))
+    if tensors:
+        data.update(tensors(data))
+    if metadata:
+        meta = metadata(meta)
+    save_file(data, str(path), metadata={"trikv": json.dumps(meta)})
+
+
+def test_stats_missing_shape_metadata_are_refused(tmp_path):
+    path = _saved_stats(tmp_path, tiny_model("llama"))
+    _rewrite_stats(path, metadata=lambda meta: {k: v for k, v in meta.items() if k != "num_layers"})
+    with pytest.raises(StatsFileError, match=r"metadata lacks \['num_layers'\]"):
+        trikv.load_stats(path)
+
+
+@pytest.mark.parametrize("kind", ["zeros", "negative", "mean_above_abs"])
+def test_statistics_no_calibration_produces_are_refused(tmp_path, kind):
+    path = _saved_stats(tmp_path, tiny_model("llama"))
+    changes = {
+        "zeros": lambda d: {name: torch.zeros_like(t) for name, t in d.items()},
+        "negative": lambda d: {"q_abs_mean": -d["q_abs_mean"]},
+        "mean_above_abs": lambda d: {"q_mean_real": d["q_abs_mean"] * 2},
+    }
+    _rewrite_stats(path, tensors=changes[kind])
+    with pytest.raises(StatsFileError, match="no calibration produces|negative E|every statistic is zero"):
+        trikv.load_stats(path)
+
+
+def test_stats_without_a_weight_signature_warn(tmp_path, caplog):
+    model = tiny_model("llama")
+    path = _saved_stats(tmp_path, model)
+    _rewrite_stats(path, metadata=lambda meta: {k: v for k, v in meta.items() if k != "weight_signature"})
+    with caplog.at_level("WARNING"):
+        trikv.load_stats(path, model)
+    assert "carry no weight signature" in caplog.text
+
+
+# ---- the command line: checked before any model loads ------------------------------------------------
+def _cli(capsys, *argv):
+    from trikv.cli import main
+
+    with pytest.raises(SystemExit) as raised:
+        status = main(list(argv))
+        raise SystemExit(status)
+    return raised.value.code, capsys.readouterr().err + str(raised.value.code)
+
+
+def test_cli_refuses_bad_input_with_a_message(tmp_path, capsys):
+    text = tmp_path / "text.txt"
+    text.write_text("some calibration text")
+    rows = tmp_path / "prompts.jsonl"
+    rows.write_text('{"prompt": "one"}\n{"question": "two"}\n')
+    cases = [
+        (["calibrate", "--text", str(text), "--out", str(tmp_path)], "is a directory"),
+        (["calibrate", "--text", str(text), "--out", str(tmp_path / "s.safetensors"), "--max-tokens", "-5"], "--max-tokens must be an integer >= 1"),
+        (["generate", "--prompt", ""], "the prompt is empty"),
+        (["generate", "--prompt-file", str(rows)], f"{rows}:2: each row needs a \"prompt\" string"),
+        (["generate", "--prompt", "hi", "--max-new-tokens", "-5"], "--max-new-tokens must be an integer >= 1"),
+        (["generate", "--prompt", "hi", "--sample", "--top-p", "1.5"], r"--top-p must be in (0, 1]"),
+        (["generate", "--prompt", "hi", "--model", str(tmp_path / "my-model")], "has no bundled ones: pass --stats"),
+        (["generate", "--prompt", "hi", "--method", "streaming", "--model", str(tmp_path / "nothing")], "no model folder at"),
+    ]
+    for argv, message in cases:
+        code, output = _cli(capsys, *argv)
+        assert code != 0 and message in output, (argv, output)

@@ -19,7 +19,7 @@ from trikv.policies.pyramidkv import pyramid_budgets
 from helpers import VisibleLog, masked_reference_logits, tiny_model
 from trikv.compat import cache_kwargs
 
-BASELINES = ["streaming", "h2o", "snapkv", "pyramidkv", "adakv", "tova", "knorm", "rkv", "lazyeviction", "raas", "rpc", "vatp"]
+BASELINES = ["streaming", "h2o", "snapkv", "snapkv-decode", "pyramidkv", "adakv", "tova", "knorm", "rkv", "lazyeviction", "raas", "rpc", "vatp"]
 # small windows so that a budget of 40 leaves room for selection in the tiny-model runs
 SMALL = {"lazyeviction": dict(window=8), "rpc": dict(selector_window=8)}
 
@@ -350,11 +350,11 @@ def test_snapkv_keeps_what_the_observation_window_attends_to_plus_the_window():
     query_positions = torch.tensor([[14, 15]])
     protected = torch.zeros(1, 1, 1, 16, dtype=torch.bool)
     protected[..., 14:] = True  # the window (the cache protects it)
-    policy = _bound(make_policy("snapkv", window_size=2, kernel_size=1))
+    policy = _bound(make_policy("snapkv-decode", window_size=2, kernel_size=1))
     context = _context(keys, budget=4, protected=protected, queries=queries, query_positions=query_positions)
     assert _kept(policy, context)[(0, 0, 0)] == [4, 9, 14, 15]
     # max pooling (kernel 3) lets the neighbours of the hot key share its score
-    policy = _bound(make_policy("snapkv", window_size=2, kernel_size=3))
+    policy = _bound(make_policy("snapkv-decode", window_size=2, kernel_size=3))
     context = _context(keys, budget=5, protected=protected, queries=queries, query_positions=query_positions)
     assert _kept(policy, context)[(0, 0, 0)] == [3, 4, 5, 14, 15]
     assert policy.recent_window == policy.query_window == 2
@@ -532,9 +532,27 @@ def test_packed_layout_equals_uniform_layout_and_saves_memory(method):
     assert packed.peak_cache_bytes <= uniform.peak_cache_bytes  # the long prompt sets both peaks
     # the regions hold at most the uniform allocation of a cache that keeps `budget` everywhere, plus per slot
     # its head tag (1 byte) and its decode mask entries (Hkv x 4 bytes), against 2 x head_dim x 4 bytes of K/V
-    snap = trikv.generate(model, _ByteTokenizer(), prompts, **{**options, "method": "snapkv"})
+    snap = trikv.generate(model, _ByteTokenizer(), prompts, **{**options, "method": "snapkv-decode"})
     Hkv, D = model.config.num_key_value_heads, model.config.hidden_size // model.config.num_attention_heads
     assert packed.cache.allocated_bytes() <= snap.cache.allocated_bytes() * (1 + (1 + 4 * Hkv) / (2 * D * 4))
+
+
+def test_triattention_on_the_packed_layout_scores_each_layer_with_its_own_statistics():
+    """A store that scores one layer at a time must hand TriAttention that layer's statistics: the packed
+    layout keeps exactly the uniform layout's sets (it used layer 0's statistics for every layer before)."""
+    from stats_fixtures import tiny_stats
+
+    model = tiny_model("qwen2", attn="sdpa", seed=3, num_hidden_layers=4)
+    stats = tiny_stats(model)
+    prompts = [torch.randint(1, 96, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (60, 9)]
+    options = dict(method="triattention", stats=stats, budget=24, divide_length=6, max_new_tokens=40, min_new_tokens=40)
+    uniform = trikv.generate(model, _ByteTokenizer(), prompts, layout="uniform", **options)
+    packed = trikv.generate(model, _ByteTokenizer(), prompts, layout="packed", **options)
+    assert packed.cache.layout == "packed" and packed.cache.rounds == uniform.cache.rounds >= 4
+    assert _kept_sets(packed.cache) == _kept_sets(uniform.cache)
+    assert packed.tokens == uniform.tokens
+    with pytest.raises(ValueError, match="needs a cache that scores every layer together"):
+        trikv.generate(model, _ByteTokenizer(), prompts, layout="packed", **{**options, "method": "triattention-shared-layers"})
 
 
 @pytest.mark.parametrize("method", ["adakv", "pyramidkv"])
@@ -559,7 +577,7 @@ def test_packed_layout_bad_input():
         trikv.make_cache(model, "h2o", budget=32, layout="packed")
     with pytest.raises(ValueError, match="give a budget"):
         trikv.make_cache(model, "full", budget=None, layout="packed")
-    assert trikv.make_cache(model, "snapkv", budget=32, layout="packed").layout == "packed"
+    assert trikv.make_cache(model, "snapkv-decode", budget=32, layout="packed").layout == "packed"
     assert trikv.make_cache(model, "adakv", budget=32).layout == "packed"
 
 
@@ -573,3 +591,88 @@ def test_packed_layout_follows_beam_search_reordering():
                                          num_beams=2, do_sample=False, pad_token_id=0)
         assert cache.rounds >= 4 and cache.layout == layout
     assert torch.equal(outputs["packed"], outputs["uniform"])
+
+
+
+def _snapkv_reference(keys, positions, queries, query_positions, t, scaling, budget, rule):
+    """SnapKV's kept positions for one (layer, row) written from the published code, one head and query at a time.
+
+    keys [Hkv, N, D] with positions [Hkv, N] (-1 = dead), window queries [Hq, w, D] at query_positions [w].
+    rule "official" (FasterDecoding/SnapKV, kvpress): softmax over every visible key, causal in the window,
+    window columns dropped, summed over the window queries, averaged over the query heads of a KV head,
+    average pooling with zero padding. rule "decode" (R-KV / TriAttention's port): the max over the group of
+    the logits, softmax over the non-window keys only, max pooling. Top (B - w) + the window, newest first on ties.
+    """
+    Hkv, Hq, w = keys.shape[0], queries.shape[0], queries.shape[1]
+    G = Hq // Hkv
+    kernel, pool = (5, torch.nn.functional.avg_pool1d) if rule == "official" else (7, torch.nn.functional.max_pool1d)
+    kept = {}
+    for g in range(Hkv):
+        live = [(int(p), n) for n, p in enumerate(positions[g].tolist()) if p >= 0]
+        live.sort()
+        pos = torch.tensor([p for p, _ in live])
+        k = keys[g, [n for _, n in live]].double()  # [N', D] in position order
+        outside = pos < t - w  # the candidates (the window is kept anyway)
+        head_scores = []
+        for h in range(g * G, (g + 1) * G):
+            per_query = []
+            for i in range(w):
+                qp = int(query_positions[i])
+                if qp < 0:
+                    continue
+                logits = (queries[h, i].double() @ k.T) * scaling
+                visible = (pos <= qp) if rule == "official" else outside
+                probs = torch.softmax(logits.masked_fill(~visible, float("-inf")), -1)
+                per_query.append(probs)
+            head_scores.append(torch.stack(per_query))  # [w', N']
+        if rule == "official":
+            score = torch.stack([hs.sum(0) for hs in head_scores]).mean(0)
+        else:  # one softmax of the group's max logit per query
+            per_query = []
+            for i in range(w):
+                qp = int(query_positions[i])
+                if qp < 0:
+                    continue
+                logits = torch.stack([(queries[h, i].double() @ k.T) * scaling for h in range(g * G, (g + 1) * G)]).amax(0)
+                per_query.append(torch.softmax(logits.masked_fill(~outside, float("-inf")), -1))
+            score = torch.stack(per_query).sum(0)
+        score = score[outside]  # window columns dropped before pooling
+        pooled = pool(score[None, None].float(), kernel, stride=1, padding=kernel // 2)[0, 0]
+        candidates = pos[outside]
+        ranked = sorted(range(len(candidates)), key=lambda j: (float(pooled[j]), int(candidates[j])), reverse=True)
+        chosen = {int(candidates[j]) for j in ranked[: budget - w]}
+        kept[g] = sorted(chosen | set(pos[~outside].tolist()))
+    return kept
+
+
+@pytest.mark.parametrize("method,rule,budget", [("snapkv", "official", 64), ("snapkv-decode", "decode", 40)])
+def test_snapkv_keeps_what_a_slow_reference_of_its_published_rule_keeps(method, rule, budget):
+    """Every round's kept set per (layer, KV head), recomputed from the cache's keys and window queries by a
+    direct implementation of the published code (not from the cache's bookkeeping)."""
+    model = tiny_model("qwen2", attn="sdpa", seed=5)
+    cache = trikv.make_cache(model, method, budget=budget, divide_length=16, protect_prompt=False)
+    checked = []
+    original = cache.compress
+
+    def compress():
+        n = cache.length
+        keys, positions = cache.keys[:, 0, :, :n].clone(), cache.positions[:, 0, :, :n].clone()
+        window = cache.query_window
+        queries, query_positions = window.queries[:, 0].clone(), window.positions[0].clone()
+        t = int(cache.current_positions()[0])
+        rounds = cache.rounds
+        original()
+        if cache.rounds == rounds:
+            return
+        after = cache.visible_positions()[:, 0]
+        for layer in range(keys.shape[0]):
+            expected = _snapkv_reference(keys[layer], positions[layer], queries[layer], query_positions, t,
+                                         cache.policy.scaling, budget, rule)
+            for g, kept in expected.items():
+                assert sorted(p for p in after[layer, g].tolist() if p >= 0) == kept, (t, layer, g)
+        checked.append(t)
+
+    cache.compress = compress
+    prompt = torch.randint(1, 96, (20,), generator=torch.Generator().manual_seed(9)).tolist()
+    trikv.generate(model, _ByteTokenizer(), [prompt], cache=cache, max_new_tokens=110, min_new_tokens=110)
+    assert len(checked) >= 4

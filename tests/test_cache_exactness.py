@@ -52,7 +52,9 @@ def test_generate_helper_matches_transformers(method):
     tokenizer = _ByteTokenizer()
     prompt = list(range(5, 45))
     options = {"stats": tiny_stats(model)} if REGISTRY[method].needs_stats else {}
-    ours = trikv.generate(model, tokenizer, [prompt], method=method, budget=1000, max_new_tokens=20, min_new_tokens=20, return_logits=True, **options)
+    if method != "full":  # full attention takes no budget
+        options["budget"] = 1000
+    ours = trikv.generate(model, tokenizer, [prompt], method=method, max_new_tokens=20, min_new_tokens=20, return_logits=True, **options)
     reference = _generate(model, torch.tensor([prompt]), DynamicCache(config=model.config))
     assert ours.tokens[0] == reference.sequences[0, 40:].tolist()[: len(ours.tokens[0])]
     torch.testing.assert_close(torch.stack(ours.logits)[:, 0], torch.stack(reference.logits)[:20, 0], rtol=0, atol=1e-5)
@@ -229,3 +231,50 @@ def test_every_triattention_variant_is_exact_masking(method):
     torch.testing.assert_close(torch.stack(result.logits), reference, rtol=0, atol=2e-4)
     live = (result.cache.positions[:, :, :, : result.cache.length] >= 0).sum(-1)
     assert int(live.max()) <= 28 + 8
+
+
+@pytest.mark.parametrize("prompt_lengths", [(11,), (30, 11)])
+def test_batch_in_which_every_row_is_padded_compresses_like_rows_alone(prompt_lengths):
+    """Every row left-padded (pad_to_multiple_of, or a single padded row): each row is compressed when its own
+    entries reach budget + slack, as if generated alone (it used to never compress and then fail)."""
+    model = tiny_model("llama", attn="eager")
+    stats = tiny_stats(model)
+    prompts = [torch.randint(1, 96, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in prompt_lengths]
+    width = 40  # every row padded to 40
+    input_ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    attention_mask = (input_ids != 0).long()
+    cache = trikv.make_cache(model, "triattention", budget=24, divide_length=8, stats=stats)
+    out = model.generate(input_ids=input_ids, attention_mask=attention_mask, **cache_kwargs(model, cache), max_new_tokens=50,
+                         min_new_tokens=50, do_sample=False, pad_token_id=0)
+    assert cache.rounds >= 4
+    for row, prompt in enumerate(prompts):
+        alone = trikv.make_cache(model, "triattention", budget=24, divide_length=8, stats=stats)
+        single = model.generate(input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                **cache_kwargs(model, alone), max_new_tokens=50, min_new_tokens=50, do_sample=False, pad_token_id=0)
+        assert out[row, width:].tolist() == single[0, len(prompt):].tolist()
+        kept = sorted(p for p in cache.visible_positions()[0, row, 0].tolist() if p >= 0)
+        assert kept == sorted(alone.visible_positions()[0, 0, 0].tolist())
+
+
+def test_a_huge_budget_costs_nothing_until_used():
+    """Buffers grow with the sequence: a short answer with a budget of a million allocates what full attention
+    does, not a million slots; once the cache reaches budget + slack it keeps that single allocation."""
+    import os
+
+    def rss_bytes() -> int:
+        with open("/proc/self/statm") as handle:
+            return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    model = tiny_model("llama")
+    tokenizer = _ByteTokenizer()
+    prompt = [list(range(1, 9))]
+    rss_before = rss_bytes()
+    huge = trikv.generate(model, tokenizer, prompt, method="streaming", budget=1_000_000, max_new_tokens=8, min_new_tokens=8)
+    grown = rss_bytes() - rss_before  # the cache is alive here: one million slots would be ~800 MB
+    from trikv.cache import INITIAL_SLOTS
+
+    assert huge.cache.capacity == INITIAL_SLOTS  # a full-attention cache of this model starts with as many
+    assert grown < 100 * 2**20
+    bounded = trikv.make_cache(model, "streaming", budget=300, divide_length=50)
+    trikv.generate(model, tokenizer, prompt, cache=bounded, max_new_tokens=500, min_new_tokens=500)
+    assert bounded.rounds >= 3 and bounded.capacity == 350

@@ -83,7 +83,7 @@ def test_lean_equals_transformers_without_eviction(family):
 
 
 @pytest.mark.parametrize("method, options", [
-    ("snapkv", {}), ("h2o", {}), ("tam", dict(schedule="shared", segmentation="none", nnls_iters=4)),
+    ("snapkv-decode", {}), ("h2o", {}), ("tam", dict(schedule="shared", segmentation="none", nnls_iters=4)),
 ])
 def test_lean_serves_policies_with_queries_observation_and_biases(method, options):
     """Policies that read live queries (query tap), observe every step, or add per-key biases (compaction)."""
@@ -103,8 +103,8 @@ def test_lean_chunked_prefill_and_weight_sharing():
     model = tiny_model("qwen2", attn="eager")
     stats = tiny_stats(model)
     prompt = torch.randint(1, 96, (1, 120))
-    engine = LeanEngine.for_model(model)
-    # the model's own q/k/v and gate/up weights now live inside the fused, transposed tensors (no duplicate copy)
+    engine = LeanEngine.for_model(model, share_weights=True)
+    # shared weights: the model's own q/k/v and gate/up weights live inside the fused, transposed tensors (no copy)
     layer = model.model.layers[0]
     fused = engine.layers[0].qkv_wt  # [in, q + k + v]
     assert layer.self_attn.k_proj.weight.data_ptr() == fused[:, layer.self_attn.q_proj.out_features :].data_ptr()
@@ -123,7 +123,7 @@ def test_lean_chunked_prefill_and_weight_sharing():
     # replacing a parameter rebuilds the engine (the fingerprint changes)
     with torch.no_grad():
         model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight * 1.5)
-    assert LeanEngine.for_model(model) is not engine
+    assert LeanEngine.for_model(model, share_weights=True) is not engine
 
 
 def test_memory_stays_within_budget_plus_slack_over_many_rounds():
@@ -210,3 +210,34 @@ def test_slot_compaction_helpers_match_gather():
     compact_slots_(in_place, order)
     assert torch.equal(in_place[:, :, :, :30], expected)
     assert torch.equal(in_place[:, :, :, 30:], buffer[:, :, :, 30:])  # the tail is left alone
+
+
+def test_lean_engine_leaves_the_model_as_it_found_it(tmp_path):
+    """Building the engine copies the weights: the model's parameters keep their storage and layout, and
+    `save_pretrained` still works."""
+    from trikv.lean import LeanEngine
+
+    model = tiny_model("qwen2")
+    before = {name: (param.data_ptr(), param.is_contiguous(), param.detach().clone()) for name, param in model.named_parameters()}
+    LeanEngine.for_model(model)
+    for name, param in model.named_parameters():
+        pointer, contiguous, values = before[name]
+        assert param.data_ptr() == pointer and param.is_contiguous() == contiguous, name
+        assert torch.equal(param.detach(), values), name
+    model.save_pretrained(tmp_path / "saved")
+    assert (tmp_path / "saved" / "model.safetensors").is_file()
+
+
+def test_lean_engine_called_directly_skips_left_padding_in_positions():
+    """Without position_ids, a left-padded row gets the RoPE positions of its own tokens, as in transformers."""
+    from trikv.lean import LeanEngine
+
+    model = tiny_model("llama")
+    prompt = torch.randint(1, 96, (12,), generator=torch.Generator().manual_seed(2)).tolist()
+    padded = torch.tensor([[0] * 5 + prompt, list(range(1, 18))])
+    mask = torch.ones_like(padded)
+    mask[0, :5] = 0
+    cache = trikv.make_cache(model, "streaming", budget=64)
+    lean_logits = LeanEngine.for_model(model)(padded, cache, attention_mask=mask, logits_to_keep=1)[0, -1]
+    alone = model(input_ids=torch.tensor([prompt])).logits[0, -1]
+    torch.testing.assert_close(lean_logits, alone, rtol=0, atol=ATOL)

@@ -45,7 +45,7 @@ def fidelity_task(tiny):
 
 
 # ---- feeding ------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("method", ["triattention", "snapkv", "h2o", "rkv", "adakv"])
+@pytest.mark.parametrize("method", ["triattention", "snapkv-decode", "h2o", "rkv", "adakv"])
 def test_chunked_feeding_matches_single_steps(tiny, method):
     model, stats = tiny
     options = {"stats": stats} if method == "triattention" else {}
@@ -99,7 +99,7 @@ def test_keeping_nothing_useful_scores_low(tiny, fidelity_task):
 def test_recall_matches_a_direct_computation(tiny, fidelity_task):
     """The vectorised recall (overall and by horizon) against a plain loop over queries and keys."""
     model, _ = tiny
-    _, log = fidelity_task.run_method(make_cache(model, "snapkv", budget=24, divide_length=16))
+    _, log = fidelity_task.run_method(make_cache(model, "snapkv-decode", budget=24, divide_length=16))
     result = fidelity_task.recall({"x": log})["x"]
     ref = fidelity_task.reference
     layer, head = 1, 3
@@ -317,7 +317,7 @@ def test_quick_preset_end_to_end_and_resume(tmp_path, tokenizer):
     model = tiny_model(vocab_size=len(tokenizer))
     stats = tiny_stats(model)
     config = config_from_preset(
-        "quick", text_tokens=256, budgets=[32, 64], dfs_graphs=2, dfs_ks=[4, 8], needle_lengths=[160],
+        "quick", text_tokens=256, budgets=[40, 64], dfs_graphs=2, dfs_ks=[4, 8], needle_lengths=[160],
         max_chunk=64, divide_length=32,
     )
     assert config.tasks == ["fidelity", "dfs", "needle"]
@@ -329,7 +329,7 @@ def test_quick_preset_end_to_end_and_resume(tmp_path, tokenizer):
     assert saved["config"]["methods"] == config.methods and saved["model"]["sha256_parameters"]
     fidelity = saved["results"]["fidelity"]["methods"]
     assert fidelity["full"]["full"]["top1_agreement"] == 1.0
-    assert set(fidelity["triattention"]) == {"32", "64"}
+    assert set(fidelity["triattention"]) == {"40", "64"}
     # a rerun resumes from the units (no recomputation) and reproduces every figure
     units = {p.name: p.stat().st_mtime_ns for p in (out / "units").iterdir() if p.name != "timings.json"}
     again = run_quality(config, out, model=model, tokenizer=tokenizer, stats=stats, progress=False, log=lambda *a: None)
@@ -366,7 +366,7 @@ def test_chunked_feeding_is_exact_on_the_real_model(real_model):
     text = "In the beginning the river carried salt from the hills down to the sea, and the people followed it. " * 8
     ids = tokenizer(text, return_tensors="pt").input_ids[:, :56]
     stats = calibrate(model, ids[0], source="test", chunk_tokens=56, progress=False)
-    for method, options in (("triattention", {"stats": stats}), ("snapkv", {})):
+    for method, options in (("triattention", {"stats": stats}), ("snapkv-decode", {})):
         logits = {}
         for max_chunk in (1, 128):
             cache = make_cache(model, method, budget=16, divide_length=8, **options)

@@ -112,7 +112,7 @@ def test_fill_feeds_queries_to_policies_that_score_with_them():
     model = tiny_model("llama")
     seed = speed.make_seed(model, None, 16)
     assert seed.queries[0].shape == (model.config.num_attention_heads, 16, 16)
-    cache = make_cache(model, "snapkv", budget=16, divide_length=8, protect_prompt=False)
+    cache = make_cache(model, "snapkv-decode", budget=16, divide_length=8, protect_prompt=False)
     speed.fill_cache(cache, speed.Filler(model, seed), context=100, batch=1, chunk=20)
     assert cache.rounds >= 2 and cache.query_window.queries.abs().sum() > 0
 
@@ -122,12 +122,12 @@ def test_speed_bench_runs_packed_layout_methods(tmp_path, monkeypatch):
     model = tiny_model("llama")
     monkeypatch.setattr(speed, "llama_cpp_available", lambda: False)
     config = speed.SpeedConfig(
-        model="tiny-llama", contexts=[96], methods=["full", "adakv", "pyramidkv", "snapkv"], budgets=[16], batch_sizes=[1],
+        model="tiny-llama", contexts=[96], methods=["full", "adakv", "pyramidkv", "snapkv-decode"], budgets=[16], batch_sizes=[1],
         engines=["lean"], steps=24, warmup=2, divide_length=8, seed_tokens=24, fill_chunk=32, engine_check=False,
         bandwidth_mb=8, out=str(tmp_path / "speed"), progress=False,
     )
     results = {r["method"]: r for r in speed.run_speed(config, model=model, tokenizer=None, stats=None)["results"]}
-    assert set(results) == {"full", "adakv", "pyramidkv", "snapkv"}
+    assert set(results) == {"full", "adakv", "pyramidkv", "snapkv-decode"}
     for method in ("adakv", "pyramidkv"):
         assert results[method]["round_steps"] >= 2 and results[method]["tokens_per_second"] > 0
-        assert results[method]["kv_bytes_peak"] <= results["snapkv"]["kv_bytes_peak"]
+        assert results[method]["kv_bytes_peak"] <= results["snapkv-decode"]["kv_bytes_peak"]

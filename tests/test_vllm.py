@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -335,7 +336,8 @@ def test_http_server_streams_a_chat_completion_with_the_bounded_cache(tmp_path):
     command = [sys.executable, "-m", "trikv.cli", "serve", "--budget", str(BUDGET), "--divide-length", str(SLACK), "--port", str(port),
                "--", "--dtype", "float32", "--max-model-len", "1024", "--block-size", str(BLOCK), "--enforce-eager"]
     with open(log_path, "w") as log:
-        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
+        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
+                                  start_new_session=True)
     try:
         deadline = time.time() + 300
         while True:
@@ -361,9 +363,12 @@ def test_http_server_streams_a_chat_completion_with_the_bounded_cache(tmp_path):
                     if delta.get("content"):
                         chunks.append(delta["content"])
         assert len(chunks) > 50 and "".join(chunks).strip()
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
+    finally:  # the server and every process it started
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
     assert "trikv: request" in log_path.read_text() and "compacted at" in log_path.read_text()
 
 

@@ -42,6 +42,14 @@ class ModelShape:
         return self.num_heads // self.num_kv_heads
 
 
+SHAPE_KEYS = ("model_type", "num_layers", "num_heads", "num_kv_heads", "head_dim", "layout")
+
+
+def shape_metadata(shape) -> dict:
+    """The attention-shape facts stored with statistics and analysis results (any object with SHAPE_KEYS)."""
+    return {key: getattr(shape, key) for key in SHAPE_KEYS}
+
+
 def model_shape(model: torch.nn.Module) -> ModelShape:
     """Validate `model` and return its attention shape; raise `UnsupportedModelError` naming the problem."""
     config = getattr(model, "config", None)

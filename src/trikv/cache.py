@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -33,10 +34,24 @@ from .policies import Policy, ScoringContext, make_policy
 from .policies.base import ObservationContext  # baselines (issue 3)
 from .policies.base import CompactionContext  # compaction (issue 5)
 from .selection import prompt_fits, protected_entries
+from .validation import integer
 from .query_capture import QueryWindow, install_query_tap, take_query, want_queries  # baselines (issue 3)
 from .fast import accelerate, compact_slots_, gather_slots, spread_step  # speed (issue 6)
 
 log = logging.getLogger(__name__)
+
+
+class _Default(int):
+    """A default setting, distinguishable from the same number given explicitly, so that a method can refuse a
+    setting it would otherwise silently ignore (`full` and a budget, a paper schedule and divide_length)."""
+
+    def __repr__(self) -> str:
+        return f"{int(self)} (default)"
+
+
+DEFAULT_BUDGET = _Default(2048)
+DEFAULT_DIVIDE_LENGTH = _Default(128)
+INITIAL_SLOTS = 256  # slots per (layer, row, KV head) allocated at the first forward; buffers double from there
 
 
 class _LayerView(CacheLayerMixin):
@@ -102,12 +117,17 @@ class CompressedCache(Cache):
             lengths, packed.py); default: packed for policies with per-layer / per-head budgets
             (PyramidKV, Ada-KV), uniform otherwise.
         policy_options: options forwarded to the policy when `policy` is a name.
+
+    A cache holds one conversation, for the model it was made for. transformers' `generate()` treats the
+    tokens a cache already holds as the prefix of its input: pass a new cache (or call `reset()`) for every
+    unrelated `model.generate(...)`; `trikv.generate` refuses a cache that holds tokens. Buffers grow with the
+    sequence, up to budget + divide_length slots, so a huge budget costs nothing until it is used.
     """
 
     is_compileable = False
     layout = "uniform"
 
-    def __new__(cls, model=None, policy="triattention", budget=2048, *args, layout: str | None = None, **kwargs):
+    def __new__(cls, model=None, policy="triattention", budget=DEFAULT_BUDGET, *args, layout: str | None = None, **kwargs):
         # baselines (issue 3): per-layer / per-head budgets (PyramidKV, Ada-KV) get the packed layout, which
         # stores only the entries each (layer, head) keeps; see packed.py
         if layout not in (None, "uniform", "packed"):
@@ -122,8 +142,8 @@ class CompressedCache(Cache):
         self,
         model: torch.nn.Module,
         policy: Policy | str = "triattention",
-        budget: int | None = 2048,
-        divide_length: int = 128,
+        budget: int | None = DEFAULT_BUDGET,
+        divide_length: int = DEFAULT_DIVIDE_LENGTH,
         protect_prompt: bool = True,
         min_decode_room: int = 32,
         layout: str | None = None,
@@ -136,13 +156,22 @@ class CompressedCache(Cache):
             raise ValueError(f"policy options {sorted(policy_options)} given with a policy instance")
         self.policy = policy
         if not policy.evicts:
+            if budget is not None and budget is not DEFAULT_BUDGET:
+                raise ValueError(f"method {policy.name!r} keeps every entry and takes no budget (got budget={budget!r})")
             budget = None
-        divide_length = policy.configure(budget, divide_length)  # baselines: a paper schedule may set the slack
+        budget = None if budget is None else integer("budget", budget)
+        explicit_slack = divide_length is not DEFAULT_DIVIDE_LENGTH
+        divide_length = integer("divide_length", divide_length)
+        min_decode_room = integer("min_decode_room", min_decode_room, minimum=0)
+        scheduled = policy.configure(budget, divide_length)  # a method's paper schedule may set its own slack
+        if explicit_slack and budget is not None and scheduled != divide_length:
+            raise ValueError(
+                f"{policy.name} runs its paper's schedule (a round every {scheduled} tokens) and ignores "
+                f"divide_length={divide_length}; pass schedule='shared' (or use its '-shared' registry entry) for "
+                "rounds at budget + divide_length, or leave divide_length out"
+            )
+        divide_length = scheduled
         if budget is not None:
-            if not isinstance(budget, int) or budget <= 0:
-                raise ValueError(f"budget must be a positive integer, got {budget!r}")
-            if divide_length < 1:
-                raise ValueError(f"divide_length must be >= 1, got {divide_length}")
             if policy.recent_window >= budget:
                 raise ValueError(
                     f"budget {budget} is not larger than the protected recent window of {policy.name} "
@@ -160,6 +189,8 @@ class CompressedCache(Cache):
             install_query_tap(model)
         super().__init__(layers=[_LayerView(self, i) for i in range(self.shape.num_layers)])
         attach(model)
+        self._decoder = weakref.ref(decoder(model))  # the model this cache was made for
+        self.max_positions = getattr(model.config, "max_position_embeddings", None)
         self._reset_state()
 
     # ---- state --------------------------------------------------------------------------------
@@ -176,6 +207,8 @@ class CompressedCache(Cache):
         self.peak_length = 0
         self.scoring_seconds = 0.0
         self._prompt_dropped_logged = False
+        self._warned_positions = False
+        self._forward_announced = False  # before_forward ran for the forward now writing to the cache
         self._write_at = 0
         self._has_dead_slots = False
         # baselines (issue 3)
@@ -198,7 +231,17 @@ class CompressedCache(Cache):
         self.policy.reset()
 
     def reset(self):
+        """Forget every token: the cache can serve a new, unrelated generation."""
         self._reset_state()
+
+    def check_model(self, base: torch.nn.Module) -> None:
+        """Refuse a decoder other than the one of the model this cache was made for (its shape, statistics and
+        hooks belong to that model)."""
+        if self._decoder() is not base:
+            raise ValueError(
+                "this trikv cache was made for another model; make one cache per model "
+                "(trikv.make_cache(model, ...) with the model you run)"
+            )
 
     @property
     def capacity(self) -> int:
@@ -259,6 +302,7 @@ class CompressedCache(Cache):
     # ---- the forward pre-hook -----------------------------------------------------------------
     def before_forward(self, query_length: int, attention_mask: torch.Tensor | None) -> None:
         """Record padding on the first forward; run a compression round when one is due."""
+        self._forward_announced = True
         if self.seen == 0:
             self._read_padding(attention_mask)
         if query_length == 1 and self.seen > 0:
@@ -283,6 +327,9 @@ class CompressedCache(Cache):
         if bool((mask.long().sum(-1) != mask.shape[-1] - pads).any()):
             raise ValueError("trikv caches need left padding (padding_side='left'): found padding after real tokens")
         self.pad_lengths = pads
+        # padding slots are dead from the start: no row can be due before the physical length passes the
+        # trigger by the smallest padding (a batch in which every row is padded)
+        self._excess_slots = int(pads.min())
 
     # ---- update: append in place ------------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
@@ -310,6 +357,15 @@ class CompressedCache(Cache):
             park_attention_state(stored_keys, state)
         return stored_keys, stored_values
 
+    def _claim_forward(self) -> None:
+        """The first layer's update of a forward: refuse one whose model never announced it (another model)."""
+        if not self._forward_announced:  # only the model this cache was made for runs its pre-hook
+            raise ValueError(
+                "this trikv cache was made for another model (its forward pre-hook did not run); make one cache "
+                "per model (trikv.make_cache(model, ...) with the model you run)"
+            )
+        self._forward_announced = False
+
     def _refuse_missed_round(self) -> None:
         if self.budget is not None and self.length - self._excess_slots >= self.budget + self.divide_length:
             raise RuntimeError(
@@ -325,9 +381,10 @@ class CompressedCache(Cache):
 
     def _begin_forward(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         b, h, q, d = key_states.shape
+        self._claim_forward()
         self._refuse_missed_round()
-        if self.keys is None:
-            self._allocate(b, key_states.dtype, key_states.device, max(q, self._target_capacity()))
+        if self.keys is None:  # start small: a huge budget costs nothing until the sequence needs it
+            self._allocate(b, key_states.dtype, key_states.device, max(q, min(self._target_capacity(), INITIAL_SLOTS)))
         elif self.length + q > self.capacity:
             self._grow(self.length + q)
         positions = self._new_token_positions(b, q, key_states.device)  # [b, q]
@@ -341,6 +398,10 @@ class CompressedCache(Cache):
         self.length += q
         self.seen += q
         self.peak_length = max(self.peak_length, self.length)
+        if self.max_positions and self.seen > self.max_positions and not self._warned_positions:
+            log.warning("the sequence passed %d tokens, the model's trained positions (max_position_embeddings); "
+                        "its outputs past that point are not what it was trained for", self.max_positions)
+            self._warned_positions = True
         self._has_dead_slots = self._dead_slots_after_append(q)  # any layer / head (speed, issue 6: no scan per decode step)
 
     def _pads(self, batch: int, device) -> torch.Tensor:
@@ -360,8 +421,11 @@ class CompressedCache(Cache):
             self.biases = torch.zeros(L, batch, h, capacity, dtype=torch.float32, device=device)
 
     def _grow(self, needed: int) -> None:
-        """Resize the buffers (full attention doubles; a bounded cache grows only for long prompt chunks)."""
-        capacity = max(needed, 2 * self.capacity) if self.budget is None else max(needed, self._target_capacity())
+        """Resize the buffers: double (never below `needed`); a bounded cache stops at budget + divide_length,
+        the single allocation it then keeps (a longer prompt chunk may exceed it until the first round)."""
+        capacity = max(needed, 2 * self.capacity)
+        if self.budget is not None:
+            capacity = max(needed, min(capacity, self._target_capacity()))
         keys, values, positions = self.keys, self.values, self.positions
         biases = self.biases  # compaction (issue 5)
         self._allocate(keys.shape[1], keys.dtype, keys.device, capacity)
@@ -672,9 +736,12 @@ def _post_forward_hook(module, args, kwargs, output):
             "biases; keep the model on the attention implementation the cache set (trikv_sdpa / trikv_eager)"
         )
     if isinstance(cache, CompressedCache) and cache.seen == getattr(module, "_trikv_seen_before", None):
+        import transformers
+
         raise RuntimeError(
             "the model ran a forward without writing to the trikv cache it was given (the attention layers never "
-            "called cache.update); its output did not use the cache"
+            f"called cache.update), so its output did not use the cache; transformers {transformers.__version__} "
+            f"takes the cache as `{cache_argument(module)}=` (`**trikv.compat.cache_kwargs(model, cache)` picks it)"
         )
     return None
 
@@ -682,16 +749,7 @@ def _post_forward_hook(module, args, kwargs, output):
 def _pre_forward_hook(module, args, kwargs):
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
     if isinstance(cache, CompressedCache):
-        expected = cache_argument(module)
-        if kwargs.get(expected) is not cache:
-            import transformers
-
-            given = "cache" if kwargs.get("cache") is cache else "past_key_values"
-            raise TypeError(
-                f"transformers {transformers.__version__} takes the KV cache as `{expected}=`, not `{given}=`: "
-                f"the model would run without the trikv cache. Pass it with "
-                f"`**trikv.compat.cache_kwargs(model, cache)` (or `{expected}=cache`)"
-            )
+        cache.check_model(module)
         module._trikv_seen_before = cache.seen
         unclaimed_attention_state()  # forget a state parked by a direct update() call outside any forward
         tokens = kwargs.get("input_ids")
@@ -723,7 +781,8 @@ def TriAttentionCache(model: torch.nn.Module, stats, budget: int = 2048, divide_
     return CompressedCache(model, "triattention", budget=budget, divide_length=divide_length, stats=stats, **cache_options, **options)
 
 
-def make_cache(model: torch.nn.Module, method: str = "triattention", budget: int | None = 2048, divide_length: int = 128, **options) -> CompressedCache:
+def make_cache(model: torch.nn.Module, method: str = "triattention", budget: int | None = DEFAULT_BUDGET,
+               divide_length: int = DEFAULT_DIVIDE_LENGTH, **options) -> CompressedCache:
     """A CompressedCache for any registered method (`trikv methods`)."""
     cache_options = {k: options.pop(k) for k in ("protect_prompt", "min_decode_room", "layout") if k in options}
     return CompressedCache(model, method, budget=budget, divide_length=divide_length, **cache_options, **options)

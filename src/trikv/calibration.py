@@ -11,6 +11,7 @@ are included. Sums stream in float64; no vector of a long text is kept.
 from __future__ import annotations
 
 import json
+import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,9 +21,13 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from . import __version__
-from .architectures import ModelShape, attention_modules, model_shape
+from .architectures import SHAPE_KEYS, ModelShape, attention_modules, model_shape, shape_metadata
 from .geometry import RopeGeometry
 from .qk_capture import capture_pre_rope
+
+log = logging.getLogger(__name__)
+
+MIN_CALIBRATION_TOKENS = 1024  # fewer tokens give noisy statistics (the paper uses ~50K; a few thousand suffice)
 
 STATS_FORMAT = "trikv-query-stats/1"
 _TENSORS = ("q_mean_real", "q_mean_imag", "q_abs_mean")
@@ -41,6 +46,18 @@ def weight_signature(model: torch.nn.Module) -> list[float]:
         w = attn.q_proj.weight.detach().float()
         numbers += [w.mean().item(), w.std().item(), w.abs().mean().item()]
     return numbers
+
+
+def _check_plausible(path, mean_real: torch.Tensor, mean_imag: torch.Tensor, abs_mean: torch.Tensor) -> None:
+    """Refuse statistics that no calibration can produce (they would make every selection meaningless):
+    E|q_f| < 0, E|q_f| < |E[q_f]| (beyond float32 rounding), or nothing measured at all."""
+    if bool((abs_mean < 0).any()):
+        raise StatsFileError(f"{path}: negative E|q| values; these are not calibration statistics")
+    magnitude = torch.sqrt(mean_real**2 + mean_imag**2)
+    if bool((magnitude > abs_mean * (1 + 1e-4) + 1e-6).any()):
+        raise StatsFileError(f"{path}: |E[q]| exceeds E|q| in some band, which no calibration produces")
+    if not bool((abs_mean > 0).any()):
+        raise StatsFileError(f"{path}: every statistic is zero; the calibration saw no tokens")
 
 
 def checkpoint_weight_signature(model_dir: str | Path, num_layers: int) -> list[float] | None:
@@ -134,12 +151,16 @@ class QueryStats:
         missing = [name for name in _TENSORS if name not in tensors]
         if missing:
             raise StatsFileError(f"{path}: missing tensors {missing}")
+        missing = [key for key in SHAPE_KEYS + ("rope_checksum",) if key not in metadata]
+        if missing:
+            raise StatsFileError(f"{path}: metadata lacks {missing}; was it written by `trikv calibrate`?")
         expected = (metadata["num_layers"], metadata["num_heads"], metadata["head_dim"] // 2)
         for name in _TENSORS:
             if tuple(tensors[name].shape) != expected:
                 raise StatsFileError(f"{path}: tensor {name} has shape {tuple(tensors[name].shape)}, metadata says {expected}")
             if not torch.isfinite(tensors[name]).all():
                 raise StatsFileError(f"{path}: tensor {name} holds non-finite values")
+        _check_plausible(path, tensors["q_mean_real"].double(), tensors["q_mean_imag"].double(), tensors["q_abs_mean"].double())
         k_mean = k_abs = None
         if all(name in tensors for name in _KEY_TENSORS):
             k_mean = torch.complex(tensors["k_mean_real"].double(), tensors["k_mean_imag"].double())
@@ -162,15 +183,7 @@ class QueryStats:
         `signature` is a callable returning the served weights' `weight_signature` (called only when the stats
         carry one)."""
         meta = self.metadata
-        expected = {
-            "model_type": shape.model_type,
-            "num_layers": shape.num_layers,
-            "num_heads": shape.num_heads,
-            "num_kv_heads": shape.num_kv_heads,
-            "head_dim": shape.head_dim,
-            "layout": shape.layout,
-            "rope_checksum": geometry.checksum(),
-        }
+        expected = {**shape_metadata(shape), "rope_checksum": geometry.checksum()}
         for key, value in expected.items():
             if meta.get(key) != value:
                 raise StatsFileError(
@@ -178,7 +191,10 @@ class QueryStats:
                     f"(calibrated on {meta.get('model_name', '?')}) but {value!r} in the model"
                 )
         expected_signature = meta.get("weight_signature")
-        if expected_signature is not None:
+        if expected_signature is None:
+            log.warning("%s carry no weight signature (written by an older trikv?): checked against the model's shape "
+                        "and RoPE only; recalibrate to check that they come from these very weights", source)
+        else:
             current = signature()
             if any(not math.isclose(a, b, rel_tol=0.02, abs_tol=1e-6) for a, b in zip(expected_signature, current)):
                 raise StatsFileError(
@@ -226,12 +242,7 @@ def stats_metadata(model: torch.nn.Module, token_count: int, source: str, model_
     return {
         "format": STATS_FORMAT,
         "model_name": model_name or getattr(model, "trikv_name", None) or getattr(model.config, "_name_or_path", "?"),
-        "model_type": shape.model_type,
-        "num_layers": shape.num_layers,
-        "num_heads": shape.num_heads,
-        "num_kv_heads": shape.num_kv_heads,
-        "head_dim": shape.head_dim,
-        "layout": shape.layout,
+        **shape_metadata(shape),
         "rope_checksum": geometry.checksum(),
         "attention_scaling": geometry.attention_scaling,
         "weight_signature": weight_signature(model),
@@ -261,6 +272,9 @@ def calibrate(
     token_ids = token_ids.flatten()
     if token_ids.numel() == 0:
         raise ValueError("calibration text is empty")
+    if token_ids.numel() < MIN_CALIBRATION_TOKENS:
+        log.warning("calibrating on %d tokens only: the statistics will be noisy (use at least %d; a few thousand "
+                    "tokens of any text are enough)", token_ids.numel(), MIN_CALIBRATION_TOKENS)
     accumulator = StatsAccumulator(shape, geometry)
     device = next(model.parameters()).device
     chunks = list(token_ids.split(chunk_tokens))

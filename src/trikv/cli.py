@@ -23,10 +23,18 @@ def _add_calibrate(sub) -> None:
 def cmd_calibrate(args) -> int:
     from .calibration import calibrate
     from .models import load_model
+    from .validation import integer
 
+    integer("--max-tokens", args.max_tokens)
+    integer("--chunk-tokens", args.chunk_tokens, minimum=2)
     text_path = Path(args.text)
     if not text_path.is_file():
         sys.exit(f"trikv calibrate: no such text file: {text_path}")
+    out = Path(args.out)
+    if out.is_dir():  # checked before the calibration runs, not after
+        sys.exit(f"trikv calibrate: --out {out} is a directory; give a file name such as {out / 'stats.safetensors'}")
+    if not out.parent.exists():
+        sys.exit(f"trikv calibrate: the folder of --out {out} does not exist")
     text = text_path.read_text(encoding="utf-8")
     if not text.strip():
         sys.exit(f"trikv calibrate: {text_path} is empty")
@@ -51,8 +59,8 @@ def _add_generate(sub) -> None:
     p.add_argument("--prompt", help="prompt text (or use --prompt-file)")
     p.add_argument("--prompt-file", help="file with one prompt, or a .jsonl of {'prompt': ...} rows for a batch")
     p.add_argument("--method", default="triattention", help="eviction method (`trikv methods` lists them)")
-    p.add_argument("--budget", type=int, default=2048, help="KV entries per (layer, KV head) after a round")
-    p.add_argument("--divide-length", type=int, default=128, help="slack beta: compress at budget + beta")
+    p.add_argument("--budget", type=int, default=None, help="KV entries per (layer, KV head) after a round (default 2048)")
+    p.add_argument("--divide-length", type=int, default=None, help="slack beta: compress at budget + beta (default 128)")
     p.add_argument("--stats", help="calibration statistics (default: the bundled stats of --model)")
     p.add_argument("--max-new-tokens", type=int, default=512)
     p.add_argument("--min-new-tokens", type=int, default=0)
@@ -68,36 +76,75 @@ def _add_generate(sub) -> None:
     p.set_defaults(func=cmd_generate)
 
 
+def read_prompt_file(path: Path) -> list[str]:
+    """One prompt (a text file) or a batch (.jsonl rows with a "prompt" string); a bad row names its line."""
+    if not path.is_file():
+        sys.exit(f"trikv generate: no such prompt file: {path}")
+    if path.suffix != ".jsonl":
+        return [path.read_text(encoding="utf-8")]
+    prompts = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as error:
+            sys.exit(f"trikv generate: {path}:{number}: not valid JSON ({error.msg})")
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+            sys.exit(f"trikv generate: {path}:{number}: each row needs a \"prompt\" string")
+        prompts.append(row["prompt"])
+    if not prompts:
+        sys.exit(f"trikv generate: {path} holds no prompts")
+    return prompts
+
+
 def cmd_generate(args) -> int:
     from .calibration import load_stats
     from .generation import generate
+    from .models import REGISTRY as MODELS
     from .models import load_model
     from .policies import REGISTRY
+    from .validation import integer, positive, probability
 
-    if bool(args.prompt) == bool(args.prompt_file):
+    if (args.prompt is None) == (args.prompt_file is None):
         sys.exit("trikv generate: give exactly one of --prompt and --prompt-file")
     if args.prompt_file:
-        path = Path(args.prompt_file)
-        if path.suffix == ".jsonl":
-            prompts = [json.loads(line)["prompt"] for line in path.read_text().splitlines() if line.strip()]
-        else:
-            prompts = [path.read_text()]
+        prompts = read_prompt_file(Path(args.prompt_file))
     else:
         prompts = [args.prompt]
+    if not all(prompt.strip() for prompt in prompts):
+        sys.exit("trikv generate: the prompt is empty")
     if args.method not in REGISTRY:
         sys.exit(f"trikv generate: unknown method {args.method!r}; available: {', '.join(REGISTRY)}")
+    # every number is checked before the model loads
+    integer("--max-new-tokens", args.max_new_tokens)
+    integer("--min-new-tokens", args.min_new_tokens, minimum=0)
+    if args.sample:
+        positive("--temperature", args.temperature)
+        probability("--top-p", args.top_p)
+    for name, value in (("--budget", args.budget), ("--divide-length", args.divide_length)):
+        if value is not None:
+            integer(name, value)
+    needs_stats = REGISTRY[args.method].needs_stats
+    if needs_stats and args.stats is None and args.model not in MODELS:
+        sys.exit(f"trikv generate: method {args.method!r} needs calibration statistics and {args.model!r} has no "
+                 "bundled ones: pass --stats FILE (make one with `trikv calibrate --model ... --text ... --out FILE`)")
     model, tokenizer = load_model(args.model)
     options = {}
-    if REGISTRY[args.method].needs_stats:
+    if args.budget is not None:
+        options["budget"] = args.budget
+    if needs_stats:
         options["stats"] = load_stats(args.stats or args.model, model)
     result = generate(
-        model, tokenizer, prompts, method=args.method, budget=args.budget, divide_length=args.divide_length,
+        model, tokenizer, prompts, method=args.method, divide_length=args.divide_length,
         max_new_tokens=args.max_new_tokens, min_new_tokens=args.min_new_tokens, do_sample=args.sample,
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed, chat=not args.no_chat,
         progress=True, engine=args.engine, **options,
     )
+    cache = result.cache
     record = {
-        "method": args.method, "budget": args.budget, "texts": result.texts,
+        "method": args.method, "budget": getattr(cache, "budget", None), "divide_length": getattr(cache, "divide_length", None),
+        "peak_entries": result.peak_entries, "texts": result.texts,
         "decode_tokens_per_second": result.decode_tokens_per_second, "peak_cache_bytes": result.peak_cache_bytes,
         "final_cache_bytes": result.final_cache_bytes, "compression_rounds": result.compression_rounds,
     }

@@ -18,8 +18,9 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from .cache import CompressedCache, make_cache
+from .cache import DEFAULT_BUDGET, DEFAULT_DIVIDE_LENGTH, CompressedCache, make_cache
 from .compat import cache_kwargs
+from .validation import integer, positive, probability
 
 
 def cache_bytes(cache) -> int:
@@ -96,8 +97,8 @@ def generate(
     model,
     tokenizer,
     prompts,
-    method: str = "triattention",
-    budget: int | None = 2048,
+    method: str | None = None,
+    budget: int | None = DEFAULT_BUDGET,
     stats=None,
     cache=None,
     max_new_tokens: int = 256,
@@ -108,37 +109,58 @@ def generate(
     top_k: int = 0,
     seed: int | None = 0,
     chat: bool = True,
-    divide_length: int = 128,
+    divide_length: int | None = None,
     return_logits: bool = False,
     progress: bool = False,
     engine: str = "transformers",
     **method_options,
 ) -> GenerationResult:
-    """Generate for one prompt or a batch. `method="full"` uses transformers' DynamicCache.
+    """Generate for one prompt or a batch with `method` (default "triattention"; "full" uses transformers'
+    DynamicCache), or with a `cache` you made (then `method`, `budget`, `divide_length`, `stats` and method
+    options come from it and must not be given again). A cache holds one conversation: a cache that already
+    holds tokens is refused (call `cache.reset()` to reuse it).
 
     engine: "transformers" (the model's own forward) or "lean" (trikv's plain-PyTorch decoder for llama /
     qwen2 / qwen3 / mistral, `trikv.lean`; same tokens, less fixed cost per step; full attention then uses
     a preallocated trikv cache instead of DynamicCache).
     """
-    if engine not in ("transformers", "lean"):  # speed (issue 6)
+    if engine not in ("transformers", "lean"):
         raise ValueError(f"unknown engine {engine!r}; expected 'transformers' or 'lean'")
     from tqdm.auto import tqdm
 
-    if max_new_tokens < 1:
-        raise ValueError("max_new_tokens must be >= 1")
+    max_new_tokens = integer("max_new_tokens", max_new_tokens)
+    min_new_tokens = integer("min_new_tokens", min_new_tokens, minimum=0)
+    top_k = integer("top_k", top_k, minimum=0)
+    if do_sample:
+        temperature, top_p = positive("temperature", temperature), probability("top_p", top_p)
+    if cache is not None:
+        given = [name for name, value, default in (("method", method, None), ("budget", budget, DEFAULT_BUDGET),
+                                                  ("divide_length", divide_length, None), ("stats", stats, None))
+                 if value is not default] + sorted(method_options)
+        if given:
+            raise ValueError(f"{', '.join(given)} given together with cache=...: the cache already fixes them "
+                             "(make the cache with them, or leave cache out)")
+        if getattr(cache, "get_seq_length", lambda: 0)() > 0:
+            raise ValueError(f"the cache already holds {cache.get_seq_length()} tokens of an earlier generation; "
+                             "call cache.reset() (or make a new cache) to generate from a new prompt")
+        method = getattr(getattr(cache, "policy", None), "name", "cache")
+    method = "triattention" if method is None else method
+    divide_length = DEFAULT_DIVIDE_LENGTH if divide_length is None else divide_length
     device = next(model.parameters()).device
     batch = encode_prompts(tokenizer, prompts, chat)
     input_ids = batch["input_ids"].to(device)
     attention_mask = batch["attention_mask"].to(device)
     if cache is None:
         if method == "full" and engine == "transformers":
+            if budget is not None and budget is not DEFAULT_BUDGET:
+                raise ValueError(f"method 'full' keeps every entry and takes no budget (got budget={budget!r})")
             cache = DynamicCache(config=model.config)
         else:
             if stats is not None:
                 method_options["stats"] = stats
             cache = make_cache(model, method, budget=budget, divide_length=divide_length, **method_options)
     lean = None
-    if engine == "lean":  # speed (issue 6)
+    if engine == "lean":
         from .lean import LeanEngine
 
         lean = LeanEngine.for_model(model)
@@ -172,7 +194,7 @@ def generate(
     for step in range(max_new_tokens):
         started = time.perf_counter()
         mask = None if bool(attention_mask.all()) else attention_mask  # as generate(): all-ones masks are dropped
-        if lean is not None:  # speed (issue 6)
+        if lean is not None:
             logits = lean.forward(next_input, cache, position_ids=next_positions, attention_mask=mask)[:, -1, :].float()
         else:
             out = model(input_ids=next_input, attention_mask=mask, position_ids=next_positions, **cache_kwargs(model, cache), logits_to_keep=1)

@@ -3,7 +3,9 @@
 A head vector of dimension d splits into F = d/2 bands. In the "half" layout (HF `rotate_half`) band f pairs
 dimension f (real part) with f + r/2 (imaginary part), r being the rotary dimension; in the "interleaved"
 layout it pairs 2f with 2f+1. RoPE at position p multiplies band f by s * e^{i w_f p}, where w_f is the
-model's own `inv_freq` (so every scaling type is honoured) and s its `attention_scaling` (YaRN's mscale).
+model's own `inv_freq` (so every static scaling type is honoured: default, linear, llama3, yarn, ...) and s
+its `attention_scaling` (YaRN's mscale). Dynamic types (dynamic NTK, longrope), whose frequencies change with
+the sequence length, are refused: keys cached under one set of frequencies would be scored with another.
 With partial rotary (r < d) the remaining dimensions are paired the same way and get w = 0: they do not
 rotate, and Re(mu * conj(k)) still equals their dot product.
 """
@@ -15,7 +17,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .architectures import config_shape, model_shape, rotary_from_config, rotary_module
+from .architectures import UnsupportedModelError, config_shape, model_shape, rotary_from_config, rotary_module
+
+# RoPE types whose frequencies depend on the current sequence length (transformers recomputes them on the fly)
+DYNAMIC_ROPE_TYPES = ("dynamic", "longrope")
 
 
 @dataclass
@@ -61,9 +66,14 @@ class RopeGeometry:
 
     @classmethod
     def from_rotary(cls, rotary: torch.nn.Module, shape) -> "RopeGeometry":
-        inv_freq = getattr(rotary, "original_inv_freq", None)
-        if inv_freq is None:
-            inv_freq = rotary.inv_freq
+        rope_type = getattr(rotary, "rope_type", "default")
+        if rope_type in DYNAMIC_ROPE_TYPES:
+            raise UnsupportedModelError(
+                f"RoPE type {rope_type!r} changes its frequencies with the sequence length, so keys cached before a "
+                f"change no longer match the scoring geometry; trikv supports static RoPE types (default, linear, "
+                f"llama3, yarn, ...), not {', '.join(DYNAMIC_ROPE_TYPES)}"
+            )
+        inv_freq = rotary.inv_freq
         scaling = float(getattr(rotary, "attention_scaling", 1.0))
         return cls.build(inv_freq, shape.head_dim, shape.layout, scaling)
 

@@ -9,9 +9,11 @@ biases), qwen3 (q_norm / k_norm) and mistral:
 
 - fused QKV and gate/up weights (one GEMM each), every weight stored transposed ([in, out] row-major):
   a decode GEMV x @ W^T then streams rows of W^T and accumulates along the long output axis, which
-  CPU BLAS runs faster than the dot-product form over [out, in] rows. By default the model's own
-  parameters are re-pointed to (transposed) views of these buffers, so nothing is duplicated in memory and the transformers path keeps working on the same
-  numbers (it then reads the same faster layout: `stock_layout_copy` gives a model with the original one);
+  CPU BLAS runs faster than the dot-product form over [out, in] rows. These are copies: the model is left
+  exactly as it was (its parameters, `save_pretrained`), at the cost of a second copy of the weights.
+  `share_weights=True` instead re-points the model's own parameters to (transposed, non-contiguous) views
+  of the engine's buffers, so nothing is duplicated; the model then computes the same numbers but is changed
+  (`save_pretrained` needs contiguous tensors: `stock_layout_copy` gives a model with the original layout);
 - RoPE computed once per forward with the model's own rotary module (its `inv_freq`, scaling type and
   attention scaling), applied to q and k together as x*cos + roll(x)*sin' (sin' = sin with the first
   half negated, which equals rotate_half(x)*sin exactly);
@@ -141,12 +143,13 @@ def stock_layout_copy(model: torch.nn.Module) -> torch.nn.Module:
 class LeanEngine:
     """Decoder forward for one model, reading its weights; run it with a trikv `CompressedCache`."""
 
-    def __init__(self, model: torch.nn.Module, share_weights: bool = True):
+    def __init__(self, model: torch.nn.Module, share_weights: bool = False):
         shape = model_shape(model)
         if shape.model_type not in LEAN_FAMILIES:
             raise UnsupportedModelError(f"the lean engine supports {LEAN_FAMILIES}, not {shape.model_type!r}")
         self.model = model
         self.shape = shape
+        self.share_weights = share_weights
         base = decoder(model)
         self.rotary = base.rotary_emb
         self.final_norm = base.norm.weight
@@ -215,11 +218,11 @@ class LeanEngine:
         )
 
     @classmethod
-    def for_model(cls, model: torch.nn.Module) -> "LeanEngine":
+    def for_model(cls, model: torch.nn.Module, share_weights: bool = False) -> "LeanEngine":
         """The engine of `model`, built once and rebuilt if its parameters were moved or replaced."""
         engine = model.__dict__.get("_trikv_lean_engine")
-        if engine is None or engine._fingerprint != engine._current_fingerprint():
-            engine = cls(model)
+        if engine is None or engine._fingerprint != engine._current_fingerprint() or engine.share_weights != share_weights:
+            engine = cls(model, share_weights)
             model.__dict__["_trikv_lean_engine"] = engine
         return engine
 
@@ -239,19 +242,21 @@ class LeanEngine:
     ) -> torch.Tensor:
         """input_ids [b, q] -> logits [b, logits_to_keep, vocab] (0 = all positions), through `cache`.
 
-        `position_ids` [b, q] as transformers' generate() gives them (default: the cache's logical length
-        + arange); `attention_mask` is the 2D padding mask of the first forward (the cache reads each row's
-        left padding from it, exactly as its transformers pre-hook does).
+        `position_ids` [b, q] as transformers' generate() gives them (default: each row's tokens so far,
+        left padding excluded, + arange); `attention_mask` is the 2D padding mask of the first forward (the
+        cache reads each row's left padding from it, exactly as its transformers pre-hook does).
         """
         from .cache import CompressedCache
 
         if not isinstance(cache, CompressedCache):
             raise TypeError("the lean engine needs a trikv CompressedCache (trikv.make_cache(model, method, ...))")
         b, q = input_ids.shape
-        if position_ids is None:
-            position_ids = torch.arange(cache.get_seq_length(), cache.get_seq_length() + q, device=input_ids.device)[None].expand(b, q)
+        cache.check_model(decoder(self.model))
         # what the decoder pre-hook does in the transformers path
         cache.before_forward(q, attention_mask)
+        if position_ids is None:  # RoPE positions skip each row's left padding (pads get 0: they attend to nothing)
+            logical = torch.arange(cache.get_seq_length(), cache.get_seq_length() + q, device=input_ids.device)
+            position_ids = (logical[None, :] - cache._pads(b, input_ids.device)[:, None]).clamp_min(0)
         if cache.policy.needs_tokens:
             cache.record_tokens(input_ids, q)
         wants_queries = cache.query_window is not None

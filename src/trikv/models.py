@@ -105,8 +105,15 @@ def resolve_model_path(name_or_path: str) -> str:
             target.parent.mkdir(parents=True, exist_ok=True)
             _convert_gguf(REGISTRY[name_or_path], target)
         return str(target)
-    if os.path.exists(name_or_path) or "/" in name_or_path:
-        return name_or_path
+    local = os.path.expanduser(name_or_path)
+    if os.path.isdir(local):
+        if not os.path.isfile(os.path.join(local, "config.json")):
+            raise ValueError(f"model folder {name_or_path!r} has no config.json: not a transformers model folder")
+        return local
+    if name_or_path.startswith(("/", "./", "../", "~")) or os.path.exists(local):
+        raise ValueError(f"no model folder at {name_or_path!r}")
+    if "/" in name_or_path:
+        return name_or_path  # a hub id: loaded from the local hub cache, or downloaded where a hub is reachable
     raise ValueError(
         f"unknown model {name_or_path!r}: not a bundled name ({', '.join(sorted(REGISTRY))}), "
         "a local folder, or a hub id of the form org/name"
@@ -125,8 +132,14 @@ def load_model(
     from .architectures import model_shape
 
     path = resolve_model_path(name_or_path)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
+    except OSError as error:  # a hub id that is not in the local cache and cannot be downloaded
+        raise ValueError(
+            f"cannot load model {name_or_path!r}: it is not a bundled name ({', '.join(sorted(REGISTRY))}) or a local "
+            f"folder, and the model hub did not provide it ({str(error).splitlines()[0]})"
+        ) from None
     model.to(device).eval()
     model_shape(model)  # fail early, with a clear message, on unsupported models
     model.trikv_name = name_or_path  # remembered for stats metadata

@@ -30,7 +30,7 @@ import time
 import torch
 
 from .attention import park_attention_state
-from .cache import CompressedCache, _top_counts
+from .cache import DEFAULT_BUDGET, CompressedCache, _top_counts
 from .policies import Policy, ScoringContext
 
 
@@ -43,7 +43,7 @@ class PackedCache(CompressedCache):
 
     layout = "packed"
 
-    def __init__(self, model, policy="adakv", budget: int | None = 2048, divide_length: int = 128, **options):
+    def __init__(self, model, policy="adakv", budget: int | None = DEFAULT_BUDGET, divide_length: int = 128, **options):
         super().__init__(model, policy, budget=budget, divide_length=divide_length, **options)
         if self.budget is None:
             raise ValueError("the packed layout is for evicting caches; give a budget")
@@ -164,6 +164,7 @@ class PackedCache(CompressedCache):
     # ---- forward ----------------------------------------------------------------------------------
     def _begin_forward(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         b, h, q, d = key_states.shape
+        self._claim_forward()
         self._refuse_missed_round()
         if not self.region_keys:
             self._allocate_regions(b, key_states.dtype, key_states.device, h * max(q, self._target_capacity()))
@@ -274,6 +275,7 @@ class PackedCache(CompressedCache):
                 queries=None if queries is None else queries[one],
                 query_positions=None if queries is None else self.query_window.positions,
                 protected=protected[one],
+                layers=one,
             )
             scores[layer] = self.policy.score(context)[0].float()
         scores = scores.masked_fill(protected, float("inf")).masked_fill(dead, float("-inf"))

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from .. import __version__
+from ..architectures import shape_metadata
 from .capture import AnalysisShape, analysis_shape
 from .concentration import concentration, concentration_summary
 from .measure import TextStats, log_distances, make_chunks, measure_chunks, sample_head_vectors
@@ -244,12 +245,7 @@ def run_analysis(
         "format": RESULT_FORMAT,
         "meta": {
             "model_name": model_name or getattr(model, "trikv_name", None) or getattr(config, "_name_or_path", "?") or "?",
-            "model_type": shape.model_type,
-            "num_layers": shape.num_layers,
-            "num_heads": shape.num_heads,
-            "num_kv_heads": shape.num_kv_heads,
-            "head_dim": shape.head_dim,
-            "layout": shape.layout,
+            **shape_metadata(shape),
             "layer_types": shape.layer_types,
             "sliding_windows": shape.sliding_windows,
             "logit_scaling": shape.scaling,

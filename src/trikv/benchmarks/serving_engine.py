@@ -223,7 +223,7 @@ def run_http(spec: dict) -> dict:
     log_path = Path(spec["log"])
     started = time.perf_counter()
     with open(log_path, "w") as log:
-        server = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+        server = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         while True:
             if server.poll() is not None:
@@ -287,12 +287,14 @@ def run_http(spec: dict) -> dict:
             result = tracker.summary()
         result.update({"startup_seconds": startup, "warmup_seconds": window_start - warm_start, "requests_started": counter[0]})
         return result
-    finally:
-        server.terminate()
+    finally:  # the server and every process it started
+        import signal
+
+        os.killpg(server.pid, signal.SIGTERM)
         try:
             server.wait(timeout=60)
         except subprocess.TimeoutExpired:
-            server.kill()
+            os.killpg(server.pid, signal.SIGKILL)
 
 
 def main(spec_path: str, result_path: str) -> None:

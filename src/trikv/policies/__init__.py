@@ -18,7 +18,7 @@ from .pyramidkv import PyramidKV
 from .raas import RaaS
 from .rkv import RKV
 from .rpc import RPC
-from .snapkv import SnapKV
+from .snapkv import DECODE_PORT, SnapKV
 from .streaming import StreamingLLM
 from .tova import TOVA
 from .triattention import TriAttention
@@ -63,6 +63,8 @@ register("streaming", StreamingLLM)
 # baselines (issue 3): decode-time versions on the same cache, budget, trigger and prompt protection
 register("h2o", H2O)
 register("snapkv", SnapKV)
+register("snapkv-decode", SnapKV, "SnapKV's decode-time port in the R-KV / TriAttention papers (their \"SnapKV\"): "
+         "w = 8, kernel 7, max pooling, max over the group's logits, softmax over non-window keys", **DECODE_PORT)
 register("pyramidkv", PyramidKV)
 register("adakv", AdaKV)
 register("tova", TOVA)
@@ -95,7 +97,9 @@ def make_policy(name: str, **options) -> Policy:
     unknown = sorted(set(options) - accepted)
     if unknown:
         raise ValueError(f"method {name!r} has no option(s) {unknown}; it accepts {sorted(accepted)}")
-    return entry.policy_class(**{**entry.preset, **options})
+    policy = entry.policy_class(**{**entry.preset, **options})
+    policy.name = name  # a registry variant reports its own name (snapkv-decode, triattention-trig-only, ...)
+    return policy
 
 
 def describe_methods() -> list[tuple[str, str]]:

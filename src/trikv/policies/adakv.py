@@ -63,6 +63,12 @@ class AdaKV(SnapKV):
     name = "adakv"
     rule = "SnapKV scores, layer-global top-(Hkv x B) across heads with a 20% per-head floor (Ada-KV)"
     floor: float = 0.2
+    # SnapKV's decode-time port (KVCache-Factory's defaults), not the official prefill defaults
+    window_size: int = 8
+    kernel_size: int = 7
+    pooling: str = "max"
+    group_aggregation: str = "max_logit"
+    softmax_scope: str = "non_window"
 
     variable_budgets = True
     rank_heads_jointly = True  # the heads of a layer compete on the same scale

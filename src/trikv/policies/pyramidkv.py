@@ -78,6 +78,12 @@ class PyramidKV(SnapKV):
     name = "pyramidkv"
     rule = "SnapKV scores with layer budgets decreasing linearly with depth (same total)"
     beta: int = 20
+    # SnapKV's decode-time port (KVCache-Factory's defaults), not the official prefill defaults
+    window_size: int = 8
+    kernel_size: int = 7
+    pooling: str = "max"
+    group_aggregation: str = "max_logit"
+    softmax_scope: str = "non_window"
 
     variable_budgets = True
 

@@ -61,13 +61,11 @@ def resolve_boundaries(model, boundary_ids=None, tokenizer=None) -> BoundaryToke
             from transformers import AutoTokenizer
 
             tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        except Exception:  # noqa: BLE001 - no tokenizer next to the model
-            log.warning(
-                "TAM: no tokenizer found for %r, so no double-newline ids: every round uses one segment "
-                "(pass boundary_ids=... or tokenizer=...)", path,
-            )
-            _BOUNDARY_CACHE[path] = BoundaryTokens()
-            return _BOUNDARY_CACHE[path]
+        except Exception as error:  # noqa: BLE001 - any failure means: no tokenizer next to the model
+            raise ValueError(
+                f"TAM segments the sequence at double newlines and needs the model's tokenizer, but none loads "
+                f"from {path!r} ({type(error).__name__}); pass tokenizer=..., boundary_ids=... or segmentation='none'"
+            ) from None
         _BOUNDARY_CACHE[path] = BoundaryTokens.from_tokenizer(tokenizer)
         return _BOUNDARY_CACHE[path]
     return BoundaryTokens.from_tokenizer(tokenizer)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
-import subprocess
 import sys
 
 
@@ -92,4 +91,4 @@ def cmd_serve(args) -> int:
         return 0
     print(f"[trikv] {shlex.join(command)}", flush=True)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
-    return subprocess.call(command)
+    os.execv(command[0], command)  # vLLM replaces this process: signals (Ctrl-C, SIGTERM) reach it directly

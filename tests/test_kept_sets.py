@@ -1,0 +1,157 @@
+"""Every round's kept set, recomputed independently of the cache's bookkeeping and of its scoring code.
+
+At each round of a real generation the cache's stored keys and positions are read, and the set a method
+must keep is rebuilt from the method's published rule with code written here: TriAttention from the
+literal formula (pre-RoPE keys recovered by undoing the rotation at each entry's position, every offset
+summed explicitly, float64), z-scored per query head over the candidates, max (or mean) over the group,
+the prompt protected while it leaves room, top-B; StreamingLLM and Knorm from their rules. The cache's kept
+set must equal it (entries within 1e-4 of the cut-off may swap: float ties).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import trikv
+from trikv.geometry import RopeGeometry
+from trikv.policies import REGISTRY
+from trikv.scoring import offset_values
+
+from helpers import tiny_model
+from stats_fixtures import tiny_stats
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+BUDGET, SLACK, PROMPT, NEW = 24, 8, 9, 60
+
+
+class _Tok:
+    pad_token_id, eos_token_id, chat_template = 0, None, None
+
+    def decode(self, ids, skip_special_tokens=True):
+        return ""
+
+
+def triattention_reference(stats, geometry, keys, positions, t, group, options) -> torch.Tensor:
+    """Scores [L, Hkv, N] (before protection) of post-RoPE keys [L, Hkv, N, D] at positions [L, Hkv, N]."""
+    L, Hkv, N, D = keys.shape
+    spacing = "linear" if options.get("offset_spacing") == "linear" else "geometric"
+    offsets = offset_values(options.get("max_offset", 65536), spacing).double()  # [O]
+    omega = geometry.omega  # [F]
+    scale = geometry.attention_scaling
+    out = torch.zeros(L, Hkv, group, N, dtype=torch.float64)
+    for layer in range(L):
+        for g in range(Hkv):
+            p = positions[layer, g].double()  # [N]
+            # undo RoPE: rotate by -p, and divide the scaling out twice (rotate applies it once more)
+            pre = geometry.rotate(keys[layer, g].double(), -positions[layer, g]).double() / scale**2
+            k = geometry.to_complex(pre)  # [N, F]
+            for j in range(group):
+                h = g * group + j
+                mu, A = stats.q_mean[layer, h], stats.q_abs_mean[layer, h]  # [F]
+                phase = torch.angle(mu)[None, :] - torch.angle(k)  # [N, F]
+                amplitude = mu.abs()[None, :] * k.abs()
+                delta = t - p[:, None, None] + offsets[None, :, None]  # [N, O, 1]
+                trig = (amplitude[:, None, :] * torch.cos(omega[None, None, :] * delta + phase[:, None, :])).sum(-1)  # [N, O]
+                weight = (A - mu.abs()) if options.get("weighted_norm", True) else A
+                norm = (weight[None, :] * k.abs()).sum(-1)  # [N]
+                use_trig, use_norm = options.get("use_trig", True), options.get("use_norm", True)
+                per_offset = (trig if use_trig else 0 * trig) + (norm[:, None] if use_norm else 0)
+                if options.get("offset_aggregation") == "max":
+                    out[layer, g, j] = per_offset.amax(-1)
+                else:
+                    out[layer, g, j] = per_offset.mean(-1)
+    return out * scale  # the cache scores keys with their scaling in (a constant factor: z-scores ignore it)
+
+
+def zscored(scores, candidates):
+    """Population z-score per (layer, head, query head) over the candidates."""
+    weight = candidates[:, :, None, :].double()
+    count = weight.sum(-1, keepdim=True).clamp_min(1)
+    mean = (scores * weight).sum(-1, keepdim=True) / count
+    std = ((((scores - mean) ** 2) * weight).sum(-1, keepdim=True) / count).sqrt().clamp_min(1e-6)
+    return (scores - mean) / std
+
+
+def expected_scores(method, options, cache, stats, geometry, keys, positions, t, prompt_length):
+    """[L, Hkv, N] the method's ranking of the stored entries: protected +inf, dead -inf; keep the top-B."""
+    L, Hkv, N = positions.shape
+    live = positions >= 0
+    window = getattr(cache.policy, "recent_window", 0)
+    protect = prompt_length + window + cache.min_decode_room <= BUDGET
+    protected = live & (((positions < prompt_length) & protect) | (positions >= t - window))
+    candidates = live & ~protected
+    if REGISTRY[method].policy_class.__name__ == "TriAttention":
+        group = cache.shape.group_size
+        raw = triattention_reference(stats, geometry, keys, positions, t, group, options)
+        z = zscored(raw, candidates)
+        if options.get("union_selection"):
+            return _union(z, candidates, protected, live)
+        score = z.mean(2) if options.get("group_aggregation") == "mean" else z.amax(2)
+        if options.get("shared_across_layers"):
+            score = score.mean(0, keepdim=True).expand_as(score)
+    elif method == "streaming":
+        score = positions.double().masked_fill(positions < 4, float("inf"))
+    elif method == "knorm":
+        score = -keys.double().norm(dim=-1)
+    else:
+        raise AssertionError(method)
+    score = score.masked_fill(protected, float("inf")).masked_fill(~live, float("-inf"))
+    return score
+
+
+def _union(z, candidates, protected, live):
+    """Reference global mode: each query head nominates its top-B candidates; one token set for all layers
+    and heads, nominated tokens first, ranked by the max z-score over every head."""
+    L, Hkv, G, N = z.shape
+    masked = z.masked_fill(~candidates[:, :, None, :], float("-inf")).reshape(L * Hkv * G, N)
+    nominated = torch.zeros(N, dtype=torch.bool)
+    for row in masked:
+        nominated[row.topk(min(BUDGET, N)).indices] = True
+    combined = masked.amax(0)
+    ranking = torch.where(nominated & torch.isfinite(combined), combined + 1e6, combined)
+    score = ranking[None, None].expand(L, Hkv, N).clone()
+    return score.masked_fill(protected, float("inf")).masked_fill(~live, float("-inf"))
+
+
+METHODS = [name for name in REGISTRY if name.startswith("triattention")] + ["streaming", "knorm"]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_kept_sets_equal_an_independent_reference(method):
+    model = tiny_model("qwen2", seed=2)  # q/k biases, GQA 2:1
+    stats = tiny_stats(model)
+    options = dict(REGISTRY[method].preset)
+    cache = trikv.make_cache(model, method, budget=BUDGET, divide_length=SLACK, **({"stats": stats} if REGISTRY[method].needs_stats else {}))
+    geometry = RopeGeometry.from_model(model)
+    checked = []
+    original = cache.compress
+
+    def compress():
+        n = cache.length
+        keys, positions = cache.keys[:, 0, :, :n].clone(), cache.positions[:, 0, :, :n].clone()
+        t = int(cache.current_positions()[0])
+        rounds = cache.rounds
+        original()
+        if cache.rounds == rounds:
+            return
+        score = expected_scores(method, options, cache, stats, geometry, keys, positions, t, PROMPT)
+        cut = score.topk(BUDGET, dim=-1).values[..., -1:]
+        after = cache.visible_positions()[:, 0]
+        for layer in range(positions.shape[0]):
+            for g in range(positions.shape[1]):
+                kept = set(p for p in after[layer, g].tolist() if p >= 0)
+                threshold = float(cut[layer, g, 0])
+                for slot, position in enumerate(positions[layer, g].tolist()):
+                    value = float(score[layer, g, slot])
+                    if position < 0 or value == threshold or abs(value - threshold) <= 1e-4:
+                        continue  # dead slot, or a float tie at the cut-off
+                    assert (position in kept) == (value > threshold), (method, t, layer, g, position, value, threshold)
+                assert len(kept) == BUDGET
+        checked.append(t)
+
+    cache.compress = compress
+    prompt = torch.randint(1, 96, (PROMPT,), generator=torch.Generator().manual_seed(4)).tolist()
+    trikv.generate(model, _Tok(), [prompt], cache=cache, max_new_tokens=NEW, min_new_tokens=NEW)
+    assert len(checked) >= 5
