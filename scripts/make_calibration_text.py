@@ -41,6 +41,7 @@ def main():
     provenance = {
         "model": args.model,
         "problems": f"MATH-500 rows {args.first}-{args.first + args.count - 1} (MIT)",
+        "math500_rows": [args.first, args.first + args.count - 1],  # reserved: math evaluation skips them
         "sampling": {"temperature": 0.6, "top_p": 0.95, "seed": args.seed, "max_new_tokens": args.new_tokens},
         "generated_with": "trikv.generate(method='full')",
         "tokens": len(tokenizer(out.read_text()).input_ids),

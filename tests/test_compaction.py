@@ -294,7 +294,7 @@ def test_budget_above_length_reproduces_outputs_exactly(method):
     assert cache.rounds == 0 and not cache._has_bias
 
 
-def test_compaction_with_t_equal_n_is_identity():
+def test_a_round_that_evicts_nothing_returns_the_entries_unchanged():
     torch.manual_seed(6)
     H, n, N, D = 3, 10, 15, 8
     q, k, v = torch.randn(H, n, D), torch.randn(H, N, D), torch.randn(H, N, D)
@@ -302,6 +302,28 @@ def test_compaction_with_t_equal_n_is_identity():
     region = torch.ones(H, N, dtype=torch.bool)
     nb, nv, _ = match_heads(q, torch.ones(H, n, dtype=torch.bool), k, v, b, region, region, torch.zeros_like(region), 0.35, MatchConfig())
     assert torch.equal(nb, b) and torch.equal(nv, v)
+
+
+def test_the_fit_with_every_key_kept_reproduces_the_attention():
+    """The fit itself (not the early return of a round that evicts nothing): asked to fit biases and values
+    with every key of the region kept, it gives back the attention outputs of the original entries."""
+    from trikv.compaction.matching import _match_block
+
+    torch.manual_seed(7)
+    H, n, N, D = 2, 24, 12, 8
+    q, k, v = torch.randn(H, n, D), torch.randn(H, N, D), torch.randn(H, N, D)
+    b = torch.randn(H, N) * 0.3
+    everything = torch.ones(H, N, dtype=torch.bool)
+    scaling = 0.35
+    fitted_b, fitted_v, diagnostics = _match_block(q, torch.ones(H, n, dtype=torch.bool), k, v, b, everything, everything,
+                                                   torch.zeros_like(everything), everything, scaling, MatchConfig())
+
+    def outputs(biases, values):
+        weights = torch.softmax(q @ k.transpose(1, 2) * scaling + biases[:, None, :], -1)
+        return weights @ values
+
+    torch.testing.assert_close(outputs(fitted_b, fitted_v), outputs(b, v), rtol=0, atol=2e-3)
+    assert bool((diagnostics["mass_error"] < 1e-3).all())
 
 
 class _Recorder:

@@ -56,8 +56,18 @@ def test_speed_bench_end_to_end(tmp_path, monkeypatch):
     page = write_speed_report([out, tmp_path / "memory"], tmp_path / "speed.md").read_text()
     assert "| target | measured | status |" in page and "## Memory run `memory`" in page
     assert f"most entries per (layer, KV head) at any step: **{memory['max_entries_per_layer_head']}**" in page
-    engine_rows = [row for row in targets(record) if row[0].startswith("lean >= x2")]
-    assert len(engine_rows) == 2 and all(ok == (float(m[1:m.index(",")]) >= 2.0) for _, m, ok in engine_rows)
+    engine_rows = {row[0]: row for row in targets(record) if row[0].startswith("lean >= x2")}
+    assert len(engine_rows) == 2
+    for method, measured in record["engine_check"]["methods"].items():  # the status follows the recorded numbers
+        label = next(label for label in engine_rows if label.endswith(f"({method})"))
+        expected = measured["speedup"] >= 2.0 and measured["identical_greedy_tokens"]
+        assert engine_rows[label][2] == expected
+        assert f"x{measured['speedup']:.2f}" in engine_rows[label][1]
+    # and a record in which the lean engine is slow fails the target
+    slow = json.loads(json.dumps(record))
+    for measured in slow["engine_check"]["methods"].values():
+        measured["speedup"] = 1.5
+    assert all(not row[2] for row in targets(slow) if row[0].startswith("lean >= x2"))
     assert (tmp_path / "speed_files").is_dir() and "speed.png" in page
     with pytest.raises(FileNotFoundError, match="no speed.json or memory.json"):
         write_speed_report([tmp_path], tmp_path / "bad.md")

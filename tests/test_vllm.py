@@ -24,9 +24,9 @@ import trikv
 from trikv.compat import cache_kwargs
 
 if os.environ.get("TRIKV_REQUIRE_VLLM") == "1":
-    import vllm  # noqa: F401  (the test command installs it: a missing vLLM must fail, not skip)
+    import vllm  # the test command installs it: a missing vLLM must fail, not skip
 else:
-    pytest.importorskip("vllm")
+    vllm = pytest.importorskip("vllm")
 
 pytestmark = [pytest.mark.real_model, pytest.mark.vllm]
 
@@ -401,8 +401,6 @@ def test_bad_settings_are_refused_with_their_name():
 
 def test_unsupported_vllm_version_is_refused():
     from trikv.vllm import SUPPORTED_VLLM, UnsupportedEngineError, check_vllm_version
-
-    import vllm
 
     assert check_vllm_version() == vllm.__version__
     with pytest.raises(UnsupportedEngineError, match=f"vLLM 0.31.0 is not supported by trikv; supported: vllm{SUPPORTED_VLLM}"):

@@ -77,7 +77,7 @@ def bias_mask(query: torch.Tensor, allowed: torch.Tensor | None, bias: torch.Ten
     """Additive float mask [b, Hq, q|1, K]: each key's log-bias (bias [b, Hkv, K], expanded to the G query
     heads of its KV head), and the dtype's minimum where `allowed` (validity_mask) is False.
 
-    Compaction (issue 5): attention-matching policies store a bias per entry; new tokens carry 0.
+    attention-matching policies store a bias per entry; new tokens carry 0.
     """
     group = query.shape[1] // bias.shape[1]
     per_key = bias.to(query.dtype).repeat_interleave(group, dim=1)[:, :, None, :]  # [b, Hq, 1, K]
@@ -87,7 +87,7 @@ def bias_mask(query: torch.Tensor, allowed: torch.Tensor | None, bias: torch.Ten
 
 
 def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots, scaling: float) -> torch.Tensor:
-    """Attention over a packed cache region (baselines, issue 3: PyramidKV / Ada-KV store only what each head keeps).
+    """Attention over a packed cache region (PyramidKV / Ada-KV store only what each head keeps).
 
     query [b, Hq, q, D]; key / value [b, 1, S, D]: the slots of every KV head of one layer in one axis;
     slots = (slot_positions [b, S], slot_heads [b, S], query_positions [b, q], num_kv_heads, slot_bias
@@ -129,7 +129,7 @@ def trikv_sdpa(module, query, key, value, attention_mask, trikv_active=False, tr
         return packed_attention(query, key, value, trikv_packed, kwargs.get("scaling") or module.scaling).contiguous(), None
     if trikv_active:
         attention_mask = validity_mask(query, key, trikv_valid)
-        if trikv_bias is not None:  # compaction (issue 5): per-key log-biases
+        if trikv_bias is not None:  # per-key log-biases
             attention_mask = bias_mask(query, attention_mask, trikv_bias)
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
@@ -141,7 +141,7 @@ def trikv_eager(module, query, key, value, attention_mask, trikv_active=False, t
     if trikv_active:
         allowed = validity_mask(query, key, trikv_valid)
         attention_mask = None
-        if trikv_bias is not None:  # compaction (issue 5): per-key log-biases
+        if trikv_bias is not None:  # per-key log-biases
             attention_mask = bias_mask(query, allowed, trikv_bias)
         elif allowed is not None:
             zero = torch.zeros((), dtype=query.dtype, device=query.device)

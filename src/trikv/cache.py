@@ -5,7 +5,7 @@ position of every slot [L, b, Hkv, capacity]. All layers, rows and heads hold th
 physical entries P (so transformers' stock masks stay valid), but each (layer, row, KV head) keeps its
 own tokens.
 
-Schedule (SPEC section 5): entries are appended in place; when P reaches budget + divide_length the
+Schedule: entries are appended in place; when P reaches budget + divide_length the
 policy scores all layers at once and the cache keeps the top `budget` per (layer, row, KV head), in
 original order. The round runs in a forward pre-hook of the decoder, before transformers builds the
 attention mask, so the mask sizes it reads (`get_mask_sizes`) are already those of the compressed
@@ -31,12 +31,11 @@ from .architectures import ModelShape, decoder, model_shape
 from .attention import park_attention_state, unclaimed_attention_state, use_trikv_attention
 from .compat import cache_argument
 from .policies import Policy, ScoringContext, make_policy
-from .policies.base import ObservationContext  # baselines (issue 3)
-from .policies.base import CompactionContext  # compaction (issue 5)
+from .policies.base import CompactionContext, ObservationContext
+from .query_capture import QueryWindow, install_query_tap, take_query, want_queries
+from .fast import accelerate, compact_slots_, gather_slots, spread_step
 from .selection import prompt_fits, protected_entries
 from .validation import integer
-from .query_capture import QueryWindow, install_query_tap, take_query, want_queries  # baselines (issue 3)
-from .fast import accelerate, compact_slots_, gather_slots, spread_step  # speed (issue 6)
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +127,7 @@ class CompressedCache(Cache):
     layout = "uniform"
 
     def __new__(cls, model=None, policy="triattention", budget=DEFAULT_BUDGET, *args, layout: str | None = None, **kwargs):
-        # baselines (issue 3): per-layer / per-head budgets (PyramidKV, Ada-KV) get the packed layout, which
+        # per-layer / per-head budgets (PyramidKV, Ada-KV) get the packed layout, which
         # stores only the entries each (layer, head) keeps; see packed.py
         if layout not in (None, "uniform", "packed"):
             raise ValueError(f"layout must be 'uniform' or 'packed', got {layout!r}")
@@ -182,8 +181,8 @@ class CompressedCache(Cache):
         self.protect_prompt = protect_prompt
         self.min_decode_room = min_decode_room
         policy.bind(model, self.shape)
-        accelerate(policy)  # speed (issue 6): the fast TriAttention scorer (same scores, no per-element index copies)
-        # baselines (issue 3): post-RoPE queries of the last `policy.query_window` tokens, for attention scores
+        accelerate(policy)  # the fast TriAttention scorer (same scores, no per-element index copies)
+        # post-RoPE queries of the last `policy.query_window` tokens, for attention scores
         self.query_window = QueryWindow(policy.query_window, self.shape.num_layers) if policy.query_window > 0 else None
         if self.query_window is not None:
             install_query_tap(model)
@@ -211,7 +210,7 @@ class CompressedCache(Cache):
         self._forward_announced = False  # before_forward ran for the forward now writing to the cache
         self._write_at = 0
         self._has_dead_slots = False
-        # baselines (issue 3)
+
         # Each row is due `divide_length` tokens after its last round: when its live entries (mean per layer
         # and KV head) reach base + divide_length, base = that mean after the round (budget before any round;
         # it differs from the budget only for policies that keep more or fewer, e.g. PyramidKV's layers).
@@ -223,7 +222,7 @@ class CompressedCache(Cache):
         self.observe_seconds = 0.0  # time in per-step policy statistics (H2O, LazyEviction, ...)
         if getattr(self, "query_window", None) is not None:
             self.query_window.reset()
-        # compaction (issue 5)
+
         self.biases: torch.Tensor | None = None  # [L, b, Hkv, capacity] float32 log-biases (compacting policies)
         self._has_bias = False  # some live entry carries a nonzero bias (published to attention)
         self.tokens: torch.Tensor | None = None  # [b, >= seen] long: token id by logical index (needs_tokens)
@@ -289,14 +288,14 @@ class CompressedCache(Cache):
         if self.keys is None:
             return 0
         L, b, h, _, d = self.keys.shape
-        bias_bytes = 0 if self.biases is None else L * b * h * self.length * self.biases.element_size()  # issue 5
+        bias_bytes = 0 if self.biases is None else L * b * h * self.length * self.biases.element_size()
         return 2 * L * b * h * self.length * d * self.keys.element_size() + bias_bytes
 
     def allocated_bytes(self) -> int:
         """Bytes the K/V buffers occupy, spare slots included."""
         if self.keys is None:
             return 0
-        bias_bytes = 0 if self.biases is None else self.biases.nbytes  # compaction (issue 5)
+        bias_bytes = 0 if self.biases is None else self.biases.nbytes
         return self.keys.nbytes + self.values.nbytes + self.positions.nbytes + bias_bytes
 
     # ---- the forward pre-hook -----------------------------------------------------------------
@@ -307,13 +306,13 @@ class CompressedCache(Cache):
             self._read_padding(attention_mask)
         if query_length == 1 and self.seen > 0:
             self.decoding = True
-        if self.query_window is not None:  # baselines (issue 3)
+        if self.query_window is not None:
             want_queries(True)
             if self._observe_pending:
                 self._observe_last_token()
         if self.budget is not None and self.length - self._excess_slots >= self.budget + self.divide_length:
             self.compress()
-        if query_length == 1 and self.decoding and self.budget is not None:  # speed (issue 6): score ahead, spread
+        if query_length == 1 and self.decoding and self.budget is not None:  # score ahead, spread
             started = time.perf_counter()
             spread_step(self)
             self.scoring_seconds += time.perf_counter() - started
@@ -341,14 +340,14 @@ class CompressedCache(Cache):
         self.keys[layer_idx, :, :, start : start + q] = key_states
         self.values[layer_idx, :, :, start : start + q] = value_states
         end = start + q
-        if self.query_window is not None:  # baselines (issue 3)
+        if self.query_window is not None:
             self._record_queries(layer_idx, q, end)
         attention_kwargs = kwargs.get("kwargs")
         stored_keys, stored_values = self.keys[layer_idx, :, :, :end], self.values[layer_idx, :, :, :end]
         state = {
             "trikv_active": True,
             "trikv_valid": self.positions[layer_idx, :, :, :end] >= 0 if self._has_dead_slots else None,
-            # compaction (issue 5): per-entry log-biases, only once some entry carries one
+            # per-entry log-biases, only once some entry carries one
             "trikv_bias": self.biases[layer_idx, :, :, :end] if self._has_bias else None,
         }
         if attention_kwargs is not None:  # read by trikv_sdpa / trikv_eager
@@ -390,7 +389,7 @@ class CompressedCache(Cache):
         positions = self._new_token_positions(b, q, key_states.device)  # [b, q]
         self._new_positions = positions
         self.positions[:, :, :, self.length : self.length + q] = positions[None, :, None, :]
-        if self.biases is not None:  # compaction (issue 5): new tokens carry no bias
+        if self.biases is not None:  # new tokens carry no bias
             self.biases[:, :, :, self.length : self.length + q] = 0
         if not self.decoding and q >= 1:
             self.prompt_length = self.seen + q
@@ -402,7 +401,7 @@ class CompressedCache(Cache):
             log.warning("the sequence passed %d tokens, the model's trained positions (max_position_embeddings); "
                         "its outputs past that point are not what it was trained for", self.max_positions)
             self._warned_positions = True
-        self._has_dead_slots = self._dead_slots_after_append(q)  # any layer / head (speed, issue 6: no scan per decode step)
+        self._has_dead_slots = self._dead_slots_after_append(q)  # any layer / head (no scan per decode step)
 
     def _pads(self, batch: int, device) -> torch.Tensor:
         if self.pad_lengths is None:
@@ -417,7 +416,7 @@ class CompressedCache(Cache):
         self.keys = torch.zeros(L, batch, h, capacity, d, dtype=dtype, device=device)
         self.values = torch.zeros(L, batch, h, capacity, d, dtype=dtype, device=device)
         self.positions = torch.full((L, batch, h, capacity), -1, dtype=torch.long, device=device)
-        if self.policy.compacts:  # compaction (issue 5)
+        if self.policy.compacts:
             self.biases = torch.zeros(L, batch, h, capacity, dtype=torch.float32, device=device)
 
     def _grow(self, needed: int) -> None:
@@ -427,7 +426,7 @@ class CompressedCache(Cache):
         if self.budget is not None:
             capacity = max(needed, min(capacity, self._target_capacity()))
         keys, values, positions = self.keys, self.values, self.positions
-        biases = self.biases  # compaction (issue 5)
+        biases = self.biases
         self._allocate(keys.shape[1], keys.dtype, keys.device, capacity)
         if biases is not None:
             self.biases[:, :, :, : self.length] = biases[:, :, :, : self.length]
@@ -475,7 +474,7 @@ class CompressedCache(Cache):
         positions = self.positions[:, :, :, :n]
         dead = positions < 0
         live = self.live_counts()  # [b]
-        base = torch.full_like(live, budget) if self._round_base is None else self._round_base  # baselines (issue 3)
+        base = torch.full_like(live, budget) if self._round_base is None else self._round_base
         due = live - base >= self.divide_length  # [b]
         if not bool(due.any()):
             return
@@ -491,25 +490,25 @@ class CompressedCache(Cache):
             queries=None if self.query_window is None else self.query_window.queries,
             query_positions=None if self.query_window is None else self.query_window.positions,
             protected=protected,
-            biases=None if self.biases is None else self.biases[:, :, :, :n],  # compaction (issue 5)
-            tokens=self._position_tokens(),  # compaction (issue 5)
+            biases=None if self.biases is None else self.biases[:, :, :, :n],
+            tokens=self._position_tokens(),
         )
         scores = self.policy.score(context).float()  # [L, b, Hkv, N]
         scores = scores.masked_fill(protected, float("inf")).masked_fill(dead, float("-inf"))
         counts = self.policy.allocate(scores, context) if self.policy.variable_budgets else None
         chosen = torch.zeros_like(dead)
-        if counts is None and scores.shape[-1] - budget < budget:  # speed (issue 6): find the few to evict, not the many to keep
+        if counts is None and scores.shape[-1] - budget < budget:  # find the few to evict, not the many to keep
             chosen.fill_(True).scatter_(-1, scores.topk(scores.shape[-1] - budget, dim=-1, largest=False, sorted=False).indices, False)
         elif counts is None:
             chosen.scatter_(-1, scores.topk(budget, dim=-1, sorted=False).indices, True)
-        else:  # baselines (issue 3): per-(layer, row, head) budgets (PyramidKV, Ada-KV)
+        else:  # per-(layer, row, head) budgets (PyramidKV, Ada-KV)
             chosen = _top_counts(scores, counts)
         keep = torch.where(row_due, chosen & ~dead, ~dead)  # rows not due keep all live entries
         new_length = int(torch.where(due, torch.full_like(live, budget), live).max())
         # top new_length of "keep" picks exactly the kept entries plus dead fillers; sorted = original order
         if counts is not None:  # the fullest (layer, head) sets the physical length; the others hold dead slots
             new_length = int(keep.sum(-1).max())
-        if bool((keep.sum(-1) == new_length).all()):  # speed (issue 6): no fillers: the kept slots in order, no sort
+        if bool((keep.sum(-1) == new_length).all()):  # no fillers: the kept slots in order, no sort
             order = keep.nonzero()[:, -1].view(*keep.shape[:3], new_length)
         else:
             order = keep.float().topk(new_length, dim=-1, sorted=False).indices.sort(dim=-1).values  # [L, b, Hkv, P']
@@ -521,15 +520,15 @@ class CompressedCache(Cache):
         self._excess_slots = new_length + int(until_due.min()) - (budget + self.divide_length)
         kept_positions = positions.gather(3, order).masked_fill(~keep.gather(3, order), -1)
         gather_index = order[..., None].expand(*order.shape, keys.shape[-1])
-        # speed (issue 6): compact the buffers in place, layer by layer (no fresh cache-sized allocations per round)
+        # compact the buffers in place, layer by layer (no fresh cache-sized allocations per round)
         in_place = self.biases is None and self.capacity == self._target_capacity()
         if in_place:
             compact_slots_(self.keys, order)
             compact_slots_(self.values, order)
         else:
-            kept_keys = gather_slots(self.keys, order)  # speed (issue 6): row copies, not an expanded-index gather
+            kept_keys = gather_slots(self.keys, order)  # row copies, not an expanded-index gather
             kept_values = gather_slots(self.values, order)
-        if self.biases is not None:  # compaction (issue 5): the policy may rewrite kept values and biases
+        if self.biases is not None:  # the policy may rewrite kept values and biases
             kept_values, kept_biases = self._compact(context, keep, order, gather_index, kept_values)
         if self.capacity != self._target_capacity():  # shrink once after a long prompt (or follow variable budgets)
             self._allocate(keys.shape[1], keys.dtype, keys.device, self._target_capacity())
@@ -537,7 +536,7 @@ class CompressedCache(Cache):
             self.keys[:, :, :, :new_length] = kept_keys
             self.values[:, :, :, :new_length] = kept_values
         self.positions[:, :, :, :new_length] = kept_positions
-        if self.biases is not None:  # compaction (issue 5)
+        if self.biases is not None:
             self.biases[:, :, :, :new_length] = kept_biases
             self.biases[:, :, :, new_length:] = 0
             self._has_bias = bool(kept_biases.ne(0).any())
@@ -563,7 +562,7 @@ class CompressedCache(Cache):
             self.tokens = self.tokens.index_select(0, index.to(self.tokens.device))
         if self.pad_lengths is not None:
             self.pad_lengths = self.pad_lengths.to(index.device).index_select(0, index)
-        if self.query_window is not None:  # baselines (issue 3)
+        if self.query_window is not None:
             self.query_window.select_rows(index)
         self.policy.select_rows(index)
         if self._round_base is not None:
@@ -573,7 +572,7 @@ class CompressedCache(Cache):
         self.keys = self.keys.index_select(1, index)
         self.values = self.values.index_select(1, index)
         self.positions = self.positions.index_select(1, index)
-        if self.biases is not None:  # compaction (issue 5)
+        if self.biases is not None:
             self.biases = self.biases.index_select(1, index)
 
     def reorder_cache(self, beam_idx: torch.LongTensor):
@@ -592,7 +591,7 @@ class CompressedCache(Cache):
             f"entries={self.length}, seen={self.seen}, rounds={self.rounds})"
         )
 
-    # ---- baselines (issue 3): recent queries and per-step observation --------------------------------------
+    # ---- recent queries and per-step observation --------------------------------------
     @torch.no_grad()
     def _record_queries(self, layer_idx: int, q: int, end: int) -> None:
         """Keep this forward's post-RoPE queries of its q tokens (the tap parked them) and let the policy observe
@@ -642,7 +641,7 @@ class CompressedCache(Cache):
         self.observe_seconds += time.perf_counter() - started
 
 
-    # ---- compaction (issue 5): per-entry log-biases, token ids, the policy's compact hook ---------------
+    # ---- per-entry log-biases, token ids, the policy's compact hook ---------------
     def record_tokens(self, input_ids: torch.Tensor | None, query_length: int) -> None:
         """Remember the token ids of the forward about to run (logical indices seen .. seen + q)."""
         if input_ids is None or input_ids.dim() != 2:
@@ -681,7 +680,7 @@ class CompressedCache(Cache):
         kept_biases = biases.gather(3, order).masked_fill(~keep.gather(3, order), 0.0)
         return kept_values, kept_biases
 
-    # ---- speed (issue 6): dead-slot bookkeeping without a full scan (a host-device sync) per decode step ----
+    # ---- dead-slot bookkeeping without a full scan (a host-device sync) per decode step ----
     def _dead_slots_after_append(self, q: int) -> bool:
         """Whether any stored slot is dead after appending q slots. Scans the positions only after a
         structural change (a round, new buffers, row selection); plain appends add dead slots only while
@@ -728,7 +727,7 @@ def _top_counts(scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
 
 
 def _post_forward_hook(module, args, kwargs, output):
-    want_queries(False)  # baselines (issue 3): stop parking queries outside trikv forwards
+    want_queries(False)  # stop parking queries outside trikv forwards
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
     if isinstance(cache, CompressedCache) and unclaimed_attention_state():
         raise RuntimeError(
@@ -758,7 +757,7 @@ def _pre_forward_hook(module, args, kwargs):
         if tokens is None and args:
             tokens = args[0]
         cache.before_forward(tokens.shape[1], kwargs.get("attention_mask"))
-        if cache.policy.needs_tokens:  # compaction (issue 5): TAM segments on token ids
+        if cache.policy.needs_tokens:  # TAM segments on token ids
             cache.record_tokens(kwargs.get("input_ids"), tokens.shape[1])
     return None
 
@@ -767,7 +766,7 @@ def attach(model: torch.nn.Module) -> None:
     """Install (once per model) the decoder pre-hook that lets trikv caches compress before masks are built."""
     use_trikv_attention(model)
     base = decoder(model)
-    if not getattr(base, "_trikv_query_hooked", False):  # baselines (issue 3)
+    if not getattr(base, "_trikv_query_hooked", False):
         base.register_forward_hook(_post_forward_hook, with_kwargs=True)
         base._trikv_query_hooked = True
     if not getattr(base, "_trikv_hooked", False):

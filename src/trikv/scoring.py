@@ -1,4 +1,4 @@
-"""TriAttention scoring math (SPEC section 4), vectorised over layers, batch rows, heads and keys.
+"""TriAttention scoring math, vectorised over layers, batch rows, heads and keys.
 
 For a cached post-RoPE key k (bands k_f) and the current position t, per query head with statistics
 mu_f = E[q_f], A_f = E|q_f|:

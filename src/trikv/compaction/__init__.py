@@ -1,4 +1,4 @@
-"""Attention-matching compaction (issue 5): the machinery behind TAM, PAM and the TriAttention + AM hybrid.
+"""Attention-matching compaction: the machinery behind TAM, PAM and the TriAttention + AM hybrid.
 
 A compacting policy keeps a subset of the cached keys (with their true positions) and rewrites, for the
 kept entries, their values and an additive per-key log-bias beta, stored by the cache next to the keys

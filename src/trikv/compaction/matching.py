@@ -13,7 +13,7 @@ tokens, kept verbatim with their bias) and reference queries Q, fit for every ot
 Mass and outputs matched, the compacted block mixes with every entry outside the region (prompt,
 protected tail, future tokens) exactly as the original region would, for these queries.
 
-Proposals where the papers are silent (reference/baselines.md 3-4):
+Choices where the papers are silent:
   * masses are matched *relatively* (each query's equation divided by its region mass), so every
     reference query counts equally whatever its logit scale;
   * both fits are ridge-regularised towards a prior because the systems are under-determined: the

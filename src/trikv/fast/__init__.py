@@ -1,4 +1,4 @@
-"""Speed helpers (issue 6): faster compression rounds for the trikv cache.
+"""Speed helpers: faster compression rounds for the trikv cache.
 
 - `gather_slots`: keep a subset of slots of a [L, b, Hkv, capacity, D] buffer with one row-wise
   `index_select` (memcpy of D-element rows) instead of a `gather` with an expanded index;

@@ -23,8 +23,8 @@ from .streaming import StreamingLLM
 from .tova import TOVA
 from .triattention import TriAttention
 from .vatp import VATP
-from .tam import PAM, TAM, SelectorWindow  # compaction (issue 5)
-from .hybrid import TriAttentionAM  # compaction (issue 5)
+from .tam import PAM, TAM, SelectorWindow
+from .hybrid import TriAttentionAM
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,7 @@ register("triattention-max-offsets", TriAttention, "ablation: max over offsets i
 register("triattention-shared-layers", TriAttention, "reference-harness mode: one selection per KV head shared by all layers", shared_across_layers=True)
 register("triattention-union", TriAttention, "reference global mode: union of every head's top-B, one token set for all layers and heads", union_selection=True)
 register("streaming", StreamingLLM)
-# baselines (issue 3): decode-time versions on the same cache, budget, trigger and prompt protection
+# decode-time versions on the same cache, budget, trigger and prompt protection
 register("h2o", H2O)
 register("snapkv", SnapKV)
 register("snapkv-decode", SnapKV, "SnapKV's decode-time port in the R-KV / TriAttention papers (their \"SnapKV\"): "
@@ -74,7 +74,7 @@ register("lazyeviction", LazyEviction)
 register("raas", RaaS)
 register("rpc", RPC)
 register("vatp", VATP)
-# compaction (issue 5): attention matching changes values and per-key biases, not only the selection
+# attention matching changes values and per-key biases, not only the selection
 register("tam", TAM)
 register("tam-alloc-only", TAM, "TAM ablation: segments and sqrt(w n) allocation, no pivots", pivot_multiplier=0.0)
 register("tam-pivots-only", TAM, "TAM ablation: pivots, one segment (PAM + pivots)", segmentation="none")

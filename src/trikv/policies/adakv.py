@@ -53,7 +53,7 @@ class AdaKV(SnapKV):
     Per-head budgets sum to the layer's Hkv x B exactly. Defaults: floor (alpha safeguard) = 0.2
     (KVCache-Factory `--floor 0.2`, kvpress `alpha_safeguard=0.20`; the official README example uses 0.5);
     SnapKV decode port scores (w = 8, kernel 7, max pooling, max_logit); the shared trigger.
-    Source: FFY0/AdaKV; kvpress `AdaKVPress`; reference/baselines.md section 2.5.
+    Source: FFY0/AdaKV; kvpress `AdaKVPress`
     Memory: the cache uses the packed layout for this policy (packed.py; the official code's var-len
     flash-attention layout in plain PyTorch): every head stores exactly its entries, so right after a round
     a layer holds Hkv x B entries, as for uniform SnapKV. Attention over a packed layer reads every slot once.

@@ -187,6 +187,20 @@ class QueryAttentionPolicy(Policy):
             )
 
 
+class SlotStatePolicy(QueryAttentionPolicy):
+    """A query-attention policy whose per-slot statistics (`self.state`, a SlotState set up by the subclass)
+    follow the cache's slots through rounds, batch-row selections and resets (H2O, LazyEviction, RaaS)."""
+
+    def after_round(self, order: torch.Tensor) -> None:
+        self.state.follow(order)
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        self.state.select_rows(index)
+
+    def reset(self) -> None:
+        self.state.reset()
+
+
 @dataclass
 class ObservationWindowPolicy(QueryAttentionPolicy):
     """A policy scored by the attention of the last `window_size` queries, whose tokens it also protects

@@ -29,7 +29,7 @@ class ScoringContext:
     queries: torch.Tensor | None = None  # [L, b, Hq, w, D]
     query_positions: torch.Tensor | None = None  # [b, w] long
     protected: torch.Tensor | None = None  # [L, b, Hkv, N] bool: entries the cache keeps whatever the score
-    # compaction (issue 5): per-entry log-biases added to the attention logits (None while all are zero) and,
+    # per-entry log-biases added to the attention logits (None while all are zero) and,
     # for policies with `needs_tokens`, the token id at each RoPE position of every row (-1 = unknown)
     biases: torch.Tensor | None = None  # [L, b, Hkv, N] float32
     tokens: torch.Tensor | None = None  # [b, T] long
@@ -102,7 +102,7 @@ class Policy:
     def reset(self) -> None:
         """Forget per-sequence state (the cache was reset)."""
 
-    # ---- compaction (issue 5): policies that also rewrite the kept entries' values and biases ----
+    # ---- policies that also rewrite the kept entries' values and biases ----
     compacts: ClassVar[bool] = False  # the cache calls `compact` after the selection of every round
     needs_tokens: ClassVar[bool] = False  # the cache records token ids (ScoringContext.tokens)
 

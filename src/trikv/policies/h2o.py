@@ -6,12 +6,12 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention_scores import QueryAttentionPolicy, SlotState, query_chunks, window_probabilities
+from .attention_scores import SlotState, SlotStatePolicy, query_chunks, window_probabilities
 from .base import ObservationContext, ScoringContext
 
 
 @dataclass
-class H2O(QueryAttentionPolicy):
+class H2O(SlotStatePolicy):
     """Keep the keys with the largest attention accumulated over every query so far, plus the newest tokens.
 
     Rule: A_j = sum over every query t that attended key j (all prompt queries, then one per decode step)
@@ -22,7 +22,7 @@ class H2O(QueryAttentionPolicy):
     Defaults: heavy = recent = half of the budget (the official scripts use heavy_ratio = recent_ratio);
     the shared trigger (a round every `divide_length` tokens). `schedule="paper"` evicts every decode
     step instead (the official one-in/one-out cache; each round then re-gathers the cache).
-    Source: FMInference/H2O `H2OKVCache_LayerWise`; reference/baselines.md section 2.2.
+    Source: FMInference/H2O `H2OKVCache_LayerWise`
     Cost: per decode step one q·Kᵀ row per query head for all layers at once ([L, b, Hkv, G, N]) and an
     O(L·Hkv·N) accumulate; the prompt is accumulated once at prefill, in query chunks; per round a top-k.
     Memory: one fp32 accumulator per cached entry, and the last query per layer.
@@ -74,12 +74,3 @@ class H2O(QueryAttentionPolicy):
     def importance(self, context: ScoringContext) -> torch.Tensor:
         self._cover(context.positions)
         return self.state["attention"].clone()
-
-    def after_round(self, order: torch.Tensor) -> None:
-        self.state.follow(order)
-
-    def select_rows(self, index: torch.Tensor) -> None:
-        self.state.select_rows(index)
-
-    def reset(self) -> None:
-        self.state.reset()

@@ -17,8 +17,8 @@ class KnormPress(Policy):
     query-free and compatible with any attention kernel. Defaults: kvpress `KnormPress` (no window, every
     layer compressed) on the shared trigger. KVCache-Factory's option of leaving layers 0-1 uncompressed is
     not offered (a bounded cache cannot keep whole layers unbounded); `recent_window` protects the newest
-    tokens if wanted (baselines.md suggests 8). Source: NVIDIA/kvpress `knorm_press.py`;
-    reference/baselines.md section 2.7. Cost per round: O(N·D) per (layer, KV head), a top-k; nothing per step.
+    tokens if wanted (e.g. 8). Source: NVIDIA/kvpress `knorm_press.py`.
+    Cost per round: O(N·D) per (layer, KV head), a top-k; nothing per step.
     """
 
     name = "knorm"

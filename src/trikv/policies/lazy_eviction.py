@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention_scores import QueryAttentionPolicy, SlotState, window_probabilities
+from .attention_scores import SlotState, SlotStatePolicy, window_probabilities
 from .base import ObservationContext, ScoringContext
 
 
@@ -19,7 +19,7 @@ def recurrence_importance(t: torch.Tensor, last: torch.Tensor, interval: torch.T
 
 
 @dataclass
-class LazyEviction(QueryAttentionPolicy):
+class LazyEviction(SlotStatePolicy):
     """Keep tokens that keep coming back: recently re-attended relative to their own recurrence interval.
 
     Rule: every decode step t, a cached token j is "hit" when its attention a_{t,j} >= alpha; a hit sets
@@ -27,11 +27,11 @@ class LazyEviction(QueryAttentionPolicy):
     last = its position − 1, MRI = 0. At a round, I_j = 2σ(−(1 + (t − last_j)/(MRI_j + 1e−5))) +
     [MRI_j > 0]·2σ(−(MRI_j − 1)); keep the top (B − W) by I plus the last W tokens.
     GQA: a token is hit for a KV head when any of its G query heads gives it >= alpha (the official code
-    repeats KV to the query heads, which multiplies memory by G; reference/baselines.md proposes this rule).
+    repeats KV to the query heads, which multiplies memory by G; this rule needs no copy).
     Defaults: alpha = 1e-4, W = 128 (the official argparse default; its scripts use 101 / 175 / 363 for
     GSM8K / MATH / AIME), the shared trigger. `schedule="paper"` evicts every W steps (cache C + W).
     The prompt's statistics start at the first decode step (the official code does not track prefill).
-    Source: WeianMao/triattention@e7a0eb1 `LazyEviction/model/kv_utils.py`; reference/baselines.md 2.9.
+    Source: WeianMao/triattention@e7a0eb1 `LazyEviction/model/kv_utils.py`
     Cost: per step one attention row per query head for all layers and two O(L·Hkv·N) updates; per round
     an O(N) score and a top-k. Memory: two fp32 numbers per cached entry.
     """
@@ -84,12 +84,3 @@ class LazyEviction(QueryAttentionPolicy):
         self._cover(context.positions)
         t = (context.current_position - 1).float()[None, :, None, None]
         return recurrence_importance(t, self.state["last"], self.state["interval"])
-
-    def after_round(self, order: torch.Tensor) -> None:
-        self.state.follow(order)
-
-    def select_rows(self, index: torch.Tensor) -> None:
-        self.state.select_rows(index)
-
-    def reset(self) -> None:
-        self.state.reset()

@@ -68,7 +68,7 @@ class PyramidKV(SnapKV):
     keeps everything; its unused budget is not lent to other layers.
     Defaults: beta = 20 (KVCache-Factory, kvpress), SnapKV decode port (w = 8, kernel 7, max pooling,
     max_logit), the shared trigger. Source: Zefan-Cai/KVCache-Factory `pyramidkv_utils.py`; kvpress
-    `PyramidKVPress`; reference/baselines.md section 2.4.
+    `PyramidKVPress`
     Memory: the cache uses the packed layout for this policy (packed.py): each layer stores exactly the
     entries it keeps, so right after a round the K/V bytes are L x Hkv x budget entries, as for uniform
     SnapKV (`layout="uniform"` gives the dead-slot layout instead, for comparisons).

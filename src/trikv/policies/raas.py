@@ -6,12 +6,12 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention_scores import QueryAttentionPolicy, SlotState, window_probabilities
+from .attention_scores import SlotState, SlotStatePolicy, window_probabilities
 from .base import ObservationContext, ScoringContext
 
 
 @dataclass
-class RaaS(QueryAttentionPolicy):
+class RaaS(SlotStatePolicy):
     """Keep the prompt and the decode tokens most recently used by attention (least-recently-used eviction).
 
     Rule: each cached token carries a timestamp, its position when created; whenever a decode query gives
@@ -20,9 +20,9 @@ class RaaS(QueryAttentionPolicy):
     if the prompt leaves no room it competes like any token, as for every method).
     Defaults: alpha = 1e-4, token granularity, per KV head, the shared trigger; `schedule="paper"` evicts
     at every decode step. The paper's threshold rule, its default and its page size were not found in any
-    source: these are baselines.md's proposal, and results must be labelled "RaaS (our
+    source: they are trikv's choice, and results must be labelled "RaaS (our
     re-implementation)". The page-based variant is not implemented.
-    Source: arXiv 2502.11147 (no public code); reference/baselines.md section 2.10.
+    Source: arXiv 2502.11147 (no public code)
     Cost: per step one attention row per query head for all layers and an O(L·Hkv·N) update; per round two
     sorts over N. Memory: one fp32 timestamp per cached entry.
     """
@@ -60,12 +60,3 @@ class RaaS(QueryAttentionPolicy):
     def importance(self, context: ScoringContext) -> torch.Tensor:
         self._cover(context.positions)
         return self.state["stamp"].clone()  # `score` ranks it; equal stamps: the older token goes first
-
-    def after_round(self, order: torch.Tensor) -> None:
-        self.state.follow(order)
-
-    def select_rows(self, index: torch.Tensor) -> None:
-        self.state.select_rows(index)
-
-    def reset(self) -> None:
-        self.state.reset()

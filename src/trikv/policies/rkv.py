@@ -56,7 +56,7 @@ class RKV(ObservationWindowPolicy):
     over score-neighbours; we sort, as recommended).
     Defaults: λ = 0.1, w = 8, kernel 7, threshold 0.5 (paper and TriAttention's port; R-KV's run_math uses
     λ = 0.07), every `divide_length` = 128 tokens (R-KV's buffer). Source: Zefan-Cai/R-KV
-    `rkv/compression/r1_kv.py`, `rkv/utils.py`; reference/baselines.md section 2.8.
+    `rkv/compression/r1_kv.py`, `rkv/utils.py`
     Cost per round: importance O(Hq·w·N·D); redundancy O(Hkv·N²·D) compute and an N x N similarity per
     (layer chunk, KV head): this term dominates at large budgets.
     """

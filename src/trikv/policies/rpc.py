@@ -20,9 +20,9 @@ class RPC(QueryAttentionPolicy):
     head ("group"); average-pool with kernel 7; keep the top entries, sorted by position.
     Defaults: R = 32, kernel 7, avg pooling, aggregation "all" (RPC's `set_rpc_config`). RPC compresses
     every P = 1024 generated tokens to a ratio (P/c kept per interval, c = 4), so its cache grows; here it
-    keeps the shared fixed budget (baselines.md's proposal for fixed-budget comparisons) on the shared
+    keeps the shared fixed budget (for comparisons at a fixed budget) on the shared
     trigger; `schedule="paper"` runs a round every `interval` = P tokens (cache between B and B + P).
-    Source: jiwonsong-dev/ReasoningPathCompression `rpc/rpc_utils.py`; reference/baselines.md 2.11.
+    Source: jiwonsong-dev/ReasoningPathCompression `rpc/rpc_utils.py`
     Cost per round: O(Hq·R·N·D) for all layers (chunked), pooling, a top-k; per step: recording the query.
     """
 

@@ -1,4 +1,4 @@
-"""TAM, Thought-Aware Attention Matching (seed 002), and the paper's baselines PAM and selector-window eviction.
+"""TAM, Thought-Aware Attention Matching (Thought-Aware Attention Matching paper), and the paper's baselines PAM and selector-window eviction.
 
 One round (every P = 1024 generated tokens by default, on the shared cache):
   1. protect the last tau = 20 tokens (and the prompt, through the cache); the region is everything else,

@@ -19,7 +19,7 @@ class TOVA(QueryAttentionPolicy):
     GQA-agnostic and needs no repeat_kv). No window, no sinks: only the budget.
     Defaults: the shared trigger (a round every `divide_length` tokens scores with the newest query);
     `schedule="paper"` evicts at every decode step (one-in/one-out, TOVA's own schedule; every round
-    re-gathers the cache). Source: schwartz-lab-NLP/TOVA `tova_cache.py`; reference/baselines.md 2.6.
+    re-gathers the cache). Source: schwartz-lab-NLP/TOVA `tova_cache.py`
     Cost per round: one q·Kᵀ row per query head for all layers, a mean and a top-k; per step: recording
     the newest query (one per layer).
     """

@@ -15,7 +15,7 @@ from .base import Policy, ScoringContext
 
 @dataclass
 class TriAttention(Policy):
-    """Score = S_trig + S_norm from calibrated query statistics (SPEC section 4); keep the top-B.
+    """Score = S_trig + S_norm from calibrated query statistics; keep the top-B.
 
     Rule: per query head, S_trig predicts the mean attention logit over future offsets
     D = {1, 2, 4, ..., 2^16} from mu = E[q_f] and the key; S_norm = sum_f (1 - R_f) A_f |k_f| covers the

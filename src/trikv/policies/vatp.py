@@ -19,7 +19,7 @@ class VATP(H2O):
     are tiny, so the product would evict them); heavy + recent eviction as H2O.
     Defaults: sink_tokens = 20 (the repo's `--sink_len 20`), heavy = recent = half the budget (the repo
     sets recent_ratio = heavy_ratio), the shared trigger; `schedule="paper"` evicts every step.
-    Source: guozhiyu/vatp `utils_hh/modify_llama.py`; reference/baselines.md section 2.12.
+    Source: guozhiyu/vatp `utils_hh/modify_llama.py`
     Cost: H2O's, plus an O(N·D) value norm per round.
     """
 

@@ -1,4 +1,4 @@
-"""Math answer extraction and equivalence (MATH-500, AIME), re-implemented from reference/baselines.md section 5.
+"""Math answer extraction and equivalence (MATH-500, AIME), re-implemented from the published harnesses' graders.
 
 Pipeline (after Qwen2.5-Math's `extract_answer` + `math_equal`, which the R-KV and TriAttention tables use):
 1. extraction: the content of the last \\boxed{...} (brace-matched; \\fbox too), else "the answer is ...",

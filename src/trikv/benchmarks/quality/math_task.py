@@ -23,13 +23,30 @@ MATH_PROMPT = (
 )
 
 
+CALIBRATION_DIR = Path(__file__).resolve().parents[2] / "data" / "calibration"
+
+
+def reserved_rows(name: str) -> set[int]:
+    """Rows of a dataset that produced shipped calibration statistics (their provenance files say which):
+    evaluating on them would score a model on the text its statistics came from."""
+    rows: set[int] = set()
+    for provenance in sorted(CALIBRATION_DIR.glob("*.json")):
+        span = json.loads(provenance.read_text()).get(f"{name}_rows")
+        if span:
+            rows.update(range(span[0], span[1] + 1))
+    return rows
+
+
 def load_problems(name: str, limit: int | None = None) -> list[dict]:
-    """[{id, prompt, answer}] of a shipped dataset (first `limit` rows)."""
+    """[{id, prompt, answer}] of a shipped dataset: the first `limit` rows that no shipped statistics were
+    calibrated on (`reserved_rows`); ids keep the dataset's row numbers."""
     if name not in DATASETS:
         raise ValueError(f"unknown math dataset {name!r}; available: {', '.join(DATASETS)}")
     rows = [json.loads(line) for line in (DATASETS_DIR / DATASETS[name]).read_text(encoding="utf-8").splitlines() if line.strip()]
+    reserved = reserved_rows(name)
+    chosen = [(index, row) for index, row in enumerate(rows) if index not in reserved]
     problems = []
-    for index, row in enumerate(rows[:limit] if limit else rows):
+    for index, row in chosen[:limit] if limit else chosen:
         if "problem" in row:
             prompt = MATH_PROMPT.format(question=row["problem"].strip())
         else:

@@ -145,8 +145,11 @@ def sections(record: dict, markdown: bool) -> list[tuple[str, str]]:
             table = math_results.get(dataset, {})
             headers, rows = _grid(record, table, lambda c: c["pass@1"])
             n = next(iter(next(iter(table.values())).values()))["problems"] if table else 0
+            excluded = math_results["meta"].get("excluded_rows", {}).get(dataset) or []
+            held_out = (f", rows {excluded[0]}-{excluded[-1]} excluded: the shipped statistics were calibrated on them"
+                        if excluded else "")
             out.append((f"Math {dataset}: pass@1 ({n} problems, {math_results['meta']['samples']} samples, "
-                        f"T 0.6, top-p 0.95, {math_results['meta']['max_new_tokens']} new tokens)", render(headers, rows, markdown)))
+                        f"T 0.6, top-p 0.95, {math_results['meta']['max_new_tokens']} new tokens{held_out})", render(headers, rows, markdown)))
     return out
 
 

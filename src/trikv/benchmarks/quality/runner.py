@@ -403,7 +403,8 @@ class QualityRun:
 
         c = self.config
         out = {"meta": {"datasets": c.math_datasets, "limit": c.math_limit, "samples": c.math_samples,
-                        "max_new_tokens": c.math_max_new_tokens, "temperature": 0.6, "top_p": 0.95}}
+                        "max_new_tokens": c.math_max_new_tokens, "temperature": 0.6, "top_p": 0.95,
+                        "excluded_rows": {d: sorted(math_task.reserved_rows(d)) for d in c.math_datasets}}}
         for dataset in c.math_datasets:
             problems = math_task.load_problems(dataset, c.math_limit)
             table = {}
