@@ -20,7 +20,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def test_speed_bench_end_to_end(tmp_path, monkeypatch):
     model = tiny_model("llama")
-    monkeypatch.setattr(speed, "llama_cpp_available", lambda: False)  # the peer is optional: a clear note instead
+    monkeypatch.setattr(speed.peers, "llama_cpp_available", lambda: False)  # the peer is optional: a clear note instead
     config = speed.SpeedConfig(
         model="tiny-llama", contexts=[64, 160], methods=["full", "triattention"], budgets=[16], batch_sizes=[2],
         engines=["lean", "transformers"], steps=16, warmup=2, divide_length=8, seed_tokens=24, fill_chunk=48,
@@ -112,8 +112,8 @@ def test_memory_run_records_rss_and_bounded_entries(tmp_path):
 
 
 def test_percentile_and_bandwidth_probe():
-    assert speed._percentile([1.0, 2.0, 3.0, 4.0, 5.0], 50) == 3.0
-    assert abs(speed._percentile(list(map(float, range(101))), 99) - 99.0) < 1e-9
+    assert speed.decode._percentile([1.0, 2.0, 3.0, 4.0, 5.0], 50) == 3.0
+    assert abs(speed.decode._percentile(list(map(float, range(101))), 99) - 99.0) < 1e-9
     probe = speed.measure_bandwidth(8, repeats=2)
     assert probe["gbps"] > 0.05 and probe["gbps"] == max(probe["read_gbps"], probe["gemv_gbps"])
 
@@ -130,7 +130,7 @@ def test_fill_feeds_queries_to_policies_that_score_with_them():
 def test_speed_bench_runs_packed_layout_methods(tmp_path, monkeypatch):
     """PyramidKV / Ada-KV (packed caches) fill and decode in the bench; their bytes are those of the budget."""
     model = tiny_model("llama")
-    monkeypatch.setattr(speed, "llama_cpp_available", lambda: False)
+    monkeypatch.setattr(speed.peers, "llama_cpp_available", lambda: False)
     config = speed.SpeedConfig(
         model="tiny-llama", contexts=[96], methods=["full", "adakv", "pyramidkv", "snapkv-decode"], budgets=[16], batch_sizes=[1],
         engines=["lean"], steps=24, warmup=2, divide_length=8, seed_tokens=24, fill_chunk=32, engine_check=False,
