@@ -34,6 +34,7 @@ from .policies import Policy, ScoringContext, make_policy
 from .policies.base import CompactionContext, ObservationContext
 from .query_capture import QueryWindow, install_query_tap, take_query, want_queries
 from .fast import accelerate, compact_slots_, gather_slots, spread_step
+from .schedule import RoundSchedule
 from .selection import prompt_fits, protected_entries
 from .validation import integer
 
@@ -178,6 +179,7 @@ class CompressedCache(Cache):
                 )
         self.budget = budget
         self.divide_length = divide_length
+        self.schedule = RoundSchedule(budget, divide_length)
         self.protect_prompt = protect_prompt
         self.min_decode_room = min_decode_room
         policy.bind(model, self.shape)
@@ -210,14 +212,7 @@ class CompressedCache(Cache):
         self._forward_announced = False  # before_forward ran for the forward now writing to the cache
         self._write_at = 0
         self._has_dead_slots = False
-
-        # Each row is due `divide_length` tokens after its last round: when its live entries (mean per layer
-        # and KV head) reach base + divide_length, base = that mean after the round (budget before any round;
-        # it differs from the budget only for policies that keep more or fewer, e.g. PyramidKV's layers).
-        # _excess_slots is the offset that makes `length - _excess_slots >= budget + divide_length` exactly
-        # "some row is due"; budget + divide_length + _excess_slots is the capacity the next round needs.
-        self._round_base: torch.Tensor | None = None  # [b] long; None = budget for every row
-        self._excess_slots = 0
+        self.schedule.reset()
         self._observe_pending = False  # the last forward was one token: observe it before the next one
         self.observe_seconds = 0.0  # time in per-step policy statistics (H2O, LazyEviction, ...)
         if getattr(self, "query_window", None) is not None:
@@ -310,7 +305,7 @@ class CompressedCache(Cache):
             want_queries(True)
             if self._observe_pending:
                 self._observe_last_token()
-        if self.budget is not None and self.length - self._excess_slots >= self.budget + self.divide_length:
+        if self.schedule.due(self.length):
             self.compress()
         if query_length == 1 and self.decoding and self.budget is not None:  # score ahead, spread
             started = time.perf_counter()
@@ -326,9 +321,7 @@ class CompressedCache(Cache):
         if bool((mask.long().sum(-1) != mask.shape[-1] - pads).any()):
             raise ValueError("trikv caches need left padding (padding_side='left'): found padding after real tokens")
         self.pad_lengths = pads
-        # padding slots are dead from the start: no row can be due before the physical length passes the
-        # trigger by the smallest padding (a batch in which every row is padded)
-        self._excess_slots = int(pads.min())
+        self.schedule.start(pads)
 
     # ---- update: append in place ------------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
@@ -366,7 +359,7 @@ class CompressedCache(Cache):
         self._forward_announced = False
 
     def _refuse_missed_round(self) -> None:
-        if self.budget is not None and self.length - self._excess_slots >= self.budget + self.divide_length:
+        if self.schedule.due(self.length):
             raise RuntimeError(
                 "a compression round is due but the trikv pre-hook did not run; "
                 "use the cache with the model it was created for"
@@ -409,7 +402,7 @@ class CompressedCache(Cache):
         return self.pad_lengths.to(device)
 
     def _target_capacity(self) -> int:
-        return 256 if self.budget is None else self.budget + self.divide_length + self._excess_slots
+        return 256 if self.budget is None else self.schedule.capacity()
 
     def _allocate(self, batch: int, dtype, device, capacity: int) -> None:
         L, h, d = self.shape.num_layers, self.shape.num_kv_heads, self.shape.head_dim
@@ -474,8 +467,7 @@ class CompressedCache(Cache):
         positions = self.positions[:, :, :, :n]
         dead = positions < 0
         live = self.live_counts()  # [b]
-        base = torch.full_like(live, budget) if self._round_base is None else self._round_base
-        due = live - base >= self.divide_length  # [b]
+        due, base = self.schedule.rows_due(live)  # [b]
         if not bool(due.any()):
             return
         row_due = due[None, :, None, None]
@@ -515,9 +507,7 @@ class CompressedCache(Cache):
         self.policy.after_round(order)  # per-slot policy state follows the kept slots
         L, _, h = keep.shape[:3]
         live_after = keep.sum(dim=(0, 2, 3)) // (L * h)  # [b] mean live entries per (layer, head)
-        self._round_base = torch.where(due, live_after, base)
-        until_due = self._round_base + self.divide_length - live_after  # [b] tokens before each row is due
-        self._excess_slots = new_length + int(until_due.min()) - (budget + self.divide_length)
+        self.schedule.after_round(due, base, live_after, new_length)
         kept_positions = positions.gather(3, order).masked_fill(~keep.gather(3, order), -1)
         gather_index = order[..., None].expand(*order.shape, keys.shape[-1])
         # compact the buffers in place, layer by layer (no fresh cache-sized allocations per round)
@@ -565,8 +555,7 @@ class CompressedCache(Cache):
         if self.query_window is not None:
             self.query_window.select_rows(index)
         self.policy.select_rows(index)
-        if self._round_base is not None:
-            self._round_base = self._round_base.to(index.device).index_select(0, index)
+        self.schedule.select_rows(index)
 
     def _select_stored_rows(self, index: torch.Tensor) -> None:
         self.keys = self.keys.index_select(1, index)

@@ -252,8 +252,7 @@ class PackedCache(CompressedCache):
         positions = torch.stack([self._unpack(l, self.region_positions[l], head_slots[l][0], width, -1) for l in range(L)])  # [L, b, Hkv, N]
         dead = positions < 0
         live = (~dead).sum(dim=(0, 2, 3)) // (L * h)  # [b]
-        base = torch.full_like(live, budget) if self._round_base is None else self._round_base
-        due = live - base >= self.divide_length  # [b]
+        due, base = self.schedule.rows_due(live)  # [b]
         if not bool(due.any()):
             return
         row_due = due[None, :, None, None]
@@ -288,10 +287,9 @@ class PackedCache(CompressedCache):
         keep = torch.where(row_due, _top_counts(scores, counts) & ~dead, ~dead)  # [L, b, Hkv, N]
 
         live_after = keep.sum(dim=(0, 2, 3)) // (L * h)  # [b] mean live entries per (layer, head)
-        self._round_base = torch.where(due, live_after, base)
-        gap = int((self._round_base + self.divide_length - live_after).min())  # tokens until some row is due
         new_length = int(keep.sum(-1).max())
-        self._excess_slots = new_length + gap - (budget + self.divide_length)
+        self.schedule.after_round(due, base, live_after, new_length)
+        gap = self.schedule.steps_until_due(new_length)  # tokens until some row is due: room each region needs
         self.length = new_length
         for layer in range(L):
             self._repack(layer, keep[layer], head_slots[layer][0], width, gap)

@@ -180,8 +180,7 @@ def spread_step(cache) -> None:
         or cache.budget is None or cache.keys is None
     ):
         return
-    excess = getattr(cache, "_excess_slots", 0)
-    steps_left = cache.budget + cache.divide_length - (cache.length - excess)  # decode forwards before the round's
+    steps_left = cache.schedule.steps_until_due(cache.length)  # decode forwards before the round's
     if steps_left < 1:
         return
     t_round = cache.seen + steps_left

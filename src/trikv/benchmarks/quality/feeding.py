@@ -36,7 +36,7 @@ def needs_single_steps(cache) -> bool:
 
 
 def _live(cache: CompressedCache) -> int:
-    return cache.length - int(getattr(cache, "_excess_slots", 0))
+    return cache.schedule.live_before_due(cache.length)
 
 
 def room(cache, max_chunk: int) -> int:

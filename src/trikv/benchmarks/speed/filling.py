@@ -126,5 +126,5 @@ def fill_cache(cache, filler: Filler, context: int, batch: int, chunk: int | Non
     finally:
         if wants_queries:
             want_queries(False)
-    if compressed and cache.budget is not None and cache.length - getattr(cache, "_excess_slots", 0) >= cache.budget + cache.divide_length:
+    if compressed and cache.schedule.due(cache.length):
         cache.compress()  # the round the next forward would run: do it now, so a filled cache holds ~budget entries

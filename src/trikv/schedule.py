@@ -1,0 +1,66 @@
+"""When a compression round is due: the one home of the slack trigger.
+
+Each row of a batch follows its own schedule, exactly as if it were generated alone: a row is due when its
+live entries (mean per layer and KV head) reach base + divide_length, base being that mean right after the
+row's last round (the budget before any round; it differs from the budget only for policies that keep more
+or fewer, e.g. PyramidKV's layers).
+
+Rows share one physical length P (dead slots fill the gaps: left padding, rows compressed earlier), so the
+schedule keeps an `excess` = the slots by which P runs ahead of the earliest-due row's live count. Then
+"some row is due" is exactly `P - excess >= budget + divide_length`, checked per forward without a scan,
+and `budget + divide_length + excess` is the capacity the next round needs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class RoundSchedule:
+    budget: int | None  # None: never compress
+    divide_length: int
+    excess: int = 0  # physical slots ahead of the earliest-due row's live entries
+    base: torch.Tensor | None = None  # [b] long: live entries right after each row's last round (None: budget)
+
+    def reset(self) -> None:
+        self.excess, self.base = 0, None
+
+    def start(self, pad_lengths: torch.Tensor | None) -> None:
+        """The first forward: left-padding slots are dead from the start, so no row can be due before the
+        physical length passes the trigger by the smallest padding."""
+        self.excess = 0 if pad_lengths is None else int(pad_lengths.min())
+
+    def due(self, length: int) -> bool:
+        """Some row has reached its trigger (length = physical slots stored)."""
+        return self.budget is not None and length - self.excess >= self.budget + self.divide_length
+
+    def live_before_due(self, length: int) -> int:
+        """Live entries of the earliest-due row (what `due` compares against budget + divide_length)."""
+        return length - self.excess
+
+    def steps_until_due(self, length: int) -> int:
+        """Single-token forwards before the next round runs (0: due now)."""
+        return max(0, self.budget + self.divide_length - (length - self.excess))
+
+    def capacity(self) -> int:
+        """Slots the buffers need for the next round (the allocation a bounded cache keeps)."""
+        return self.budget + self.divide_length + self.excess
+
+    def rows_due(self, live: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[b] bool rows due now, and [b] each row's base, from the rows' live entries [b]."""
+        base = torch.full_like(live, self.budget) if self.base is None else self.base.to(live.device)
+        return live - base >= self.divide_length, base
+
+    def after_round(self, due: torch.Tensor, base: torch.Tensor, live_after: torch.Tensor, new_length: int) -> None:
+        """Record a round: due rows restart from their live entries after it; the excess follows the earliest
+        next trigger."""
+        self.base = torch.where(due, live_after, base)
+        until_due = self.base + self.divide_length - live_after  # [b] tokens before each row is due
+        self.excess = new_length + int(until_due.min()) - (self.budget + self.divide_length)
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        if self.base is not None:
+            self.base = self.base.to(index.device).index_select(0, index)
