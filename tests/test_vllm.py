@@ -443,3 +443,32 @@ def test_stats_of_another_model_are_refused(tmp_path):
                           capture_output=True, text=True, timeout=600)
     assert done.returncode != 0
     assert "do not match the model: num_layers is 3 in the stats" in done.stdout + done.stderr
+
+
+def test_serving_benchmark_runs_offline_and_over_http_and_renders_its_page(tmp_path):
+    """`trikv bench serve` end to end at a toy size: offline full attention vs the bounded cache at one KV pool,
+    the bounded cache over HTTP, then `trikv bench serve-report`."""
+    small = ["--length", "192", "--pool-requests", "3", "--concurrency", "4", "--budgets", "64", "--divide-length", "32",
+             "--window", "6", "--warmup-max", "90", "--settle", "3"]
+    for extra in (["--methods", "full,triattention", "--modes", "offline", "--out", str(tmp_path / "offline")],
+                  ["--methods", "triattention", "--modes", "http", "--out", str(tmp_path / "http")]):
+        done = subprocess.run([sys.executable, "-m", "trikv", "bench", "serve", *small, *extra], capture_output=True, text=True,
+                              timeout=900, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    offline = json.loads((tmp_path / "offline" / "serving.json").read_text())
+    runs = {(r["method"], r["mode"]): r for r in offline["runs"]}
+    assert set(runs) == {("full", "offline"), ("triattention", "offline")}
+    for run in runs.values():
+        assert run["output_tokens"] > 0 and run["output_tokens_per_second"] > 0 and run["tpot_seconds"]["p50"] > 0
+    bounded = runs[("triattention", "offline")]
+    assert bounded["trikv"]["rounds"] > 0 and bounded["throughput_vs_full"] == pytest.approx(
+        bounded["output_tokens_per_second"] / runs[("full", "offline")]["output_tokens_per_second"])
+    http = json.loads((tmp_path / "http" / "serving.json").read_text())["runs"]
+    assert http[0]["mode"] == "http" and http[0]["output_tokens"] > 0
+    assert (tmp_path / "offline" / "throughput.png").stat().st_size > 1000
+    page = tmp_path / "serving.md"
+    done = subprocess.run([sys.executable, "-m", "trikv", "bench", "serve-report", str(tmp_path / "offline"), str(tmp_path / "http"),
+                           "--out", str(page)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    text = page.read_text()
+    assert "## Run `offline`" in text and "## Run `http`" in text and "triattention-B64-n4" in text and ".png" in text

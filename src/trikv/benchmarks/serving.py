@@ -34,7 +34,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--block-size", type=int, default=32)
     parser.add_argument("--window", type=float, default=150.0, help="seconds measured in steady state (default 150)")
     parser.add_argument("--warmup-max", type=float, default=600.0, help="longest warm-up before the window (default 600 s)")
-    parser.add_argument("--http", action="store_true", help="also drive each configuration through the HTTP server")
+    parser.add_argument("--settle", type=float, default=30.0,
+                        help="full attention: seconds between the pool first filling and the window (default 30)")
+    parser.add_argument("--modes", default="offline", help="comma-separated: offline (vllm.LLM) and/or http (`trikv serve`)")
     parser.add_argument("--out", default="runs/serve", help="output folder (default runs/serve)")
     parser.set_defaults(func=main)
 
@@ -54,7 +56,7 @@ def _spec(args, config: dict, mode: str, out: Path, port: int) -> dict:
     spec = {
         "model": args.model, "dtype": args.dtype, "block_size": args.block_size, "length": args.length,
         "concurrency": config["concurrency"], "pool_blocks": pool_blocks, "max_batched_tokens": 2048, "short_prompt": 32,
-        "stagger": args.divide_length,
+        "stagger": args.divide_length, "settle": args.settle,
         "warmup_max": args.warmup_max, "window": args.window, "mode": mode, "port": port,
         "log": str(out / f"{_label(config)}-{mode}.server.log"),
     }
@@ -93,7 +95,9 @@ def main(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     configs = _configurations(args)
-    modes = ["offline"] + (["http"] if args.http else [])
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not modes or set(modes) - {"offline", "http"}:
+        raise ValueError(f"--modes takes offline and/or http, got {args.modes!r}")
     runs = []
     started = time.perf_counter()
     for index, config in enumerate(configs):

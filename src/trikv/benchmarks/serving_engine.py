@@ -3,17 +3,20 @@
 Run as `python -m trikv.benchmarks.serving_engine SPEC.json RESULT.json` (a fresh interpreter per engine: vLLM
 starts its own processes and holds its KV pool until the interpreter exits).
 
-Protocol (the same for every method):
-- N request slots; every request generates until its total length reaches `length` tokens (greedy, no EOS
-  stop); a finished request is replaced at once by a new one. Prompts are short real text; the first
-  request of slot i gets `i * stagger / N` more prompt tokens, so that trikv's rounds (every divide_length
-  tokens) do not all fall on the same step.
-- Warm-up, then a window of `window` seconds in which output tokens, time to first token and time per
-  output token are counted. The window opens when the engine is in its steady regime: with trikv, once every
-  first request has been compacted at least once; for full attention, once the KV pool is full (vLLM
-  preempts, or the pool is 95% used). Full attention's requests are then about pool / N tokens long, shorter
-  than in its true steady state (up to `length`), which can only flatter full attention. `warmup_max` caps it.
-Driven either offline (`vllm.LLM`'s engine, stepped here) or over HTTP (`trikv serve`, streamed completions).
+Protocol: N request slots; every request generates until its total length reaches `length` tokens (greedy,
+no EOS stop); a finished request is replaced at once by a new one with a short prompt of real text. Output
+tokens, time to first token and time per output token are counted in a window of `window` seconds that
+opens once the engine is in its steady regime:
+- a bounded cache (trikv): a request's per-step cost stops depending on its age once it has been compacted,
+  so the first requests start short (staggered by up to `stagger` prompt tokens, so that the rounds of
+  different requests do not fall on the same step) and the window opens when every first request has been
+  compacted at least once;
+- full attention: its steady state has the requests' ages spread evenly over [0, length) and the KV pool full,
+  which takes tens of minutes of generation to reach; instead slot i's first request carries a prompt of
+  i / N x length tokens of real text (a request that has already run that long), the pool fills during their
+  prefill, and the window opens `settle` seconds after the pool is first 95% full (or vLLM first preempts).
+`warmup_max` caps the warm-up either way. Driven offline (`vllm.LLM`'s engine, stepped here) or over HTTP
+(`trikv serve`, streamed completions; same prompts, same rules).
 """
 
 from __future__ import annotations
@@ -39,12 +42,15 @@ def _text_ids(tokenizer, minimum: int) -> list[int]:
 
 
 def _prompts(spec: dict, tokenizer) -> list[list[int]]:
-    """The first prompt of every slot: short, staggered by up to `stagger` tokens."""
-    slots = spec["concurrency"]
-    source = _text_ids(tokenizer, 4096)
+    """The first prompt of every slot: pre-aged for full attention, short and staggered for a bounded cache."""
+    length, slots, short = spec["length"], spec["concurrency"], spec["short_prompt"]
+    source = _text_ids(tokenizer, length + 997 * slots)
     first = []
     for slot in range(slots):
-        size = spec["short_prompt"] + slot * spec["stagger"] // slots
+        if spec.get("trikv"):
+            size = short + slot * spec["stagger"] // slots
+        else:
+            size = max(short, slot * (length - 2 * short) // slots)
         start = (slot * 997) % (len(source) - size)
         first.append(source[start : start + size])
     return first
@@ -147,6 +153,7 @@ def run_offline(spec: dict) -> dict:
         submit(prompt)
     initial = {f"r{i}" for i in range(len(first))}
     finished: set[str] = set()
+    pool_full_since = None
     warm_start = time.perf_counter()
     window_start = window_end = None
     peak_usage = 0.0
@@ -167,8 +174,11 @@ def run_offline(spec: dict) -> dict:
         if window_start is None and steps % 20 == 0:
             if spec.get("trikv"):  # every first request compacted (or already done)
                 ready = initial <= _compacted(llm) | finished
-            else:  # the pool is full
-                ready = (_metric(metrics, "vllm:num_preemptions") or 0) > 0 or (_metric(metrics, "vllm:kv_cache_usage_perc") or 0) > 0.95
+            else:  # the pool has been full for `settle` seconds
+                full = (_metric(metrics, "vllm:num_preemptions") or 0) > 0 or (_metric(metrics, "vllm:kv_cache_usage_perc") or 0) > 0.95
+                if full and pool_full_since is None:
+                    pool_full_since = now
+                ready = pool_full_since is not None and now - pool_full_since >= spec["settle"]
             if ready or now - warm_start > spec["warmup_max"]:
                 window_start = now
                 window_end = now + spec["window"]
@@ -208,18 +218,14 @@ def run_http(spec: dict) -> dict:
     from ..models import resolve_model_path
 
     port = spec["port"]
+    import trikv.vllm
+
     args = [sys.executable, "-m", "trikv.vllm.launch", "serve", resolve_model_path(spec["model"]), "--port", str(port),
-            "--served-model-name", "model"]
-    for key, value in _engine_kwargs(spec).items():
-        if key in ("disable_log_stats",) or value is False and key != "enable_prefix_caching":
-            continue
-        flag = "--" + key.replace("_", "-")
-        if isinstance(value, bool):
-            args.append(flag if value else "--no-" + key.replace("_", "-"))
-        elif isinstance(value, dict):
-            args += [flag, json.dumps(value)]
-        else:
-            args += [flag, str(value)]
+            "--served-model-name", "model", "--dtype", spec["dtype"], "--enforce-eager", "--block-size", str(spec["block_size"]),
+            "--max-model-len", str(spec["length"]), "--num-gpu-blocks-override", str(spec["pool_blocks"]),
+            "--max-num-seqs", str(spec["concurrency"]), "--max-num-batched-tokens", str(spec["max_batched_tokens"])]
+    if spec.get("trikv"):
+        args += trikv.vllm.serve_flags(**spec["trikv"])
     log_path = Path(spec["log"])
     started = time.perf_counter()
     with open(log_path, "w") as log:
