@@ -32,25 +32,19 @@ pytestmark = [pytest.mark.real_model, pytest.mark.vllm]
 
 HERE = Path(__file__).parent
 BUDGET, SLACK, BLOCK = 64, 32, 32
-NEW_TOKENS = 200
+NEW_TOKENS = 160
 POOL = 200  # KV blocks of the fp32 engine (vLLM's null block included)
 
 
 def run_engines(tmp_path: Path, specs: dict[str, dict]) -> dict[str, dict]:
-    """Run one engine per spec, all at once (their start-ups overlap); results by name."""
-    running = {}
+    """Run one engine per spec, one after the other (two CPU-bound engines at once only slow each other)."""
+    results = {}
     for name, spec in specs.items():
         spec_path, result_path = tmp_path / f"{name}.json", tmp_path / f"{name}.result.json"
         spec_path.write_text(json.dumps({"model": "smollm2-135m", **spec}))
-        log = open(tmp_path / f"{name}.log", "w")
-        process = subprocess.Popen([sys.executable, str(HERE / "vllm_scenario.py"), str(spec_path), str(result_path)],
-                                   stdout=log, stderr=subprocess.STDOUT)
-        running[name] = (process, log, result_path)
-    results = {}
-    for name, (process, log, result_path) in running.items():
-        returncode = process.wait(timeout=900)
-        log.close()
-        assert returncode == 0, f"vLLM scenario {name} failed:\n{(tmp_path / f'{name}.log').read_text()[-6000:]}"
+        done = subprocess.run([sys.executable, str(HERE / "vllm_scenario.py"), str(spec_path), str(result_path)],
+                              capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, f"vLLM scenario {name} failed:\n{(done.stdout + done.stderr)[-6000:]}"
         results[name] = json.loads(result_path.read_text())
     return results
 
@@ -153,7 +147,7 @@ def test_eviction_keeps_what_transformers_keeps_fp32(real_model, fp32_run):
     stats = trikv.load_stats("smollm2-135m", model)
     for request in fp32_run["batches"][0]["requests"]:
         rounds = _rounds_of(fp32_run, request["request_id"])
-        assert len(rounds) >= 4
+        assert len(rounds) >= 3
         report = replay(model, "triattention", request, rounds, tie=1e-3, stats=stats)
         print(f"request {request['request_id']}: {report['rounds']} rounds, {report['tied_heads']} of {report['heads']} "
               f"(layer, head) sets differ by float ties (max {report['max_tie']:.2e} std)")
@@ -181,7 +175,7 @@ def test_memory_after_each_round(fp32_run):
 
 @pytest.fixture(scope="module")
 def untouched_runs(engines_dir, prompts):
-    batches = [{"prompts": prompts, "max_tokens": 100}]
+    batches = [{"prompts": prompts, "max_tokens": 60}]
     runs = run_engines(engines_dir, {"plain": {"dtype": "float32", "trikv": None, "batches": batches},
                                      "large-budget": {"dtype": "float32", "batches": batches,
                                                       "trikv": {**_trikv_settings(), "budget": 4096}}})
@@ -198,7 +192,7 @@ def test_budget_above_every_request_equals_plain_vllm(untouched_runs):
 @pytest.fixture(scope="module")
 def baseline_runs(engines_dir, prompts):
     return run_engines(engines_dir, {method: {"dtype": "float32", "trikv": _trikv_settings(method),
-                                              "batches": [{"prompts": prompts[1:], "max_tokens": 100}]}
+                                              "batches": [{"prompts": prompts[1:], "max_tokens": 80}]}
                                      for method in ("streaming", "knorm")})
 
 
@@ -223,10 +217,10 @@ def test_bf16_pages_and_selection(real_model, engines_dir, prompts):
     bf16_model = trikv.load_model("smollm2-135m", dtype=torch.bfloat16)[0]
     stats = trikv.load_stats("smollm2-135m", bf16_model)
     run = run_engine(engines_dir, "bf16", {"dtype": "bfloat16", "trikv": _trikv_settings(),
-                                          "batches": [{"prompts": prompts[1:], "max_tokens": 130}]})
+                                          "batches": [{"prompts": prompts[1:], "max_tokens": 110}]})
     for request in run["batches"][0]["requests"]:
         rounds = _rounds_of(run, request["request_id"])
-        assert len(rounds) >= 3
+        assert len(rounds) >= 2
         report = replay(bf16_model, "triattention", request, rounds, tie=0.5, stats=stats)
         print(f"bf16 request {request['request_id']}: {report['tied_heads']} of {report['heads']} (layer, head) sets "
               f"differ by ties (max {report['max_tie']:.3f} std)")
@@ -303,7 +297,7 @@ def test_tensor_parallel_3_equals_tp_1(engines_dir, prompts, fp32_run):
     new_tokens = 130
     run = run_engine(engines_dir, "tp3", {
         "dtype": "float32", "trikv": _trikv_settings(),
-        "engine": {"tensor_parallel_size": 3}, "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1|1"},
+        "engine": {"tensor_parallel_size": 3}, "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1|1"}, "in_process": False,
         "batches": [{"prompts": prompts[1:], "max_tokens": new_tokens}],
     })
     single_requests = fp32_run["batches"][0]["requests"][1:]
@@ -450,7 +444,7 @@ def test_serving_benchmark_runs_offline_and_over_http_and_renders_its_page(tmp_p
     the bounded cache over HTTP, then `trikv bench serve-report`."""
     small = ["--length", "192", "--pool-requests", "3", "--concurrency", "4", "--budgets", "64", "--divide-length", "32",
              "--window", "6", "--warmup-max", "90", "--settle", "3"]
-    for extra in (["--methods", "full,triattention", "--modes", "offline", "--out", str(tmp_path / "offline")],
+    for extra in (["--methods", "full,triattention", "--modes", "offline", "--in-process", "--out", str(tmp_path / "offline")],
                   ["--methods", "triattention", "--modes", "http", "--out", str(tmp_path / "http")]):
         done = subprocess.run([sys.executable, "-m", "trikv", "bench", "serve", *small, *extra], capture_output=True, text=True,
                               timeout=900, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})

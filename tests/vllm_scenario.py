@@ -1,8 +1,9 @@
 """Run one vLLM engine for the tests, in its own process: `python vllm_scenario.py SPEC.json RESULT.json`.
 
-vLLM starts engine and worker processes; running each engine in a fresh interpreter keeps the test process
-free of them. SPEC: {"model", "dtype", "trikv": settings for trikv.vllm.engine_args or null (plain vLLM),
-"engine": extra vllm.LLM arguments, "env": environment variables, "batches": [{"prompts": [token id lists],
+Each engine runs in a fresh interpreter, which keeps the test process free of vLLM. SPEC: {"model", "dtype",
+"trikv": settings for trikv.vllm.engine_args or null (plain vLLM), "engine": extra vllm.LLM arguments, "env":
+environment variables, "in_process": engine core and worker inside this interpreter (default; false runs
+vLLM's usual separate processes, which tensor parallelism needs), "batches": [{"prompts": [token id lists],
 "max_tokens", "min_tokens"}]}. RESULT: per batch the prompt and generated token ids of every request, then
 every rank's round records and statistics.
 """
@@ -20,13 +21,17 @@ def main(spec_path: str, result_path: str) -> None:
         spec = json.load(handle)
     os.environ.update({key: str(value) for key, value in spec.get("env", {}).items()})
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    in_process = spec.get("in_process", True)
+    if in_process:  # engine core and worker in this process: starts in seconds; the plugin code is the same
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     import trikv.vllm
     from trikv.models import resolve_model_path
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     extra = trikv.vllm.engine_args(**spec["trikv"]) if spec.get("trikv") else {}
-    engine = {"dtype": spec.get("dtype", "float32"), "enforce_eager": True, "max_model_len": 2048, "block_size": 32, **spec.get("engine", {})}
+    engine = {"dtype": spec.get("dtype", "float32"), "enforce_eager": True, "max_model_len": 2048, "block_size": 32,
+              **({"distributed_executor_backend": "uni"} if in_process else {}), **spec.get("engine", {})}
     started = time.perf_counter()
     llm = LLM(resolve_model_path(spec["model"]), **engine, **extra)
     result = {"startup_seconds": time.perf_counter() - started, "batches": []}

@@ -37,6 +37,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--settle", type=float, default=30.0,
                         help="full attention: seconds between the pool first filling and the window (default 30)")
     parser.add_argument("--modes", default="offline", help="comma-separated: offline (vllm.LLM) and/or http (`trikv serve`)")
+    parser.add_argument("--in-process", action="store_true",
+                        help="offline runs: vLLM's engine core and worker inside the measuring process (starts in seconds; "
+                             "the default runs them in their own processes, as vLLM is deployed)")
     parser.add_argument("--out", default="runs/serve", help="output folder (default runs/serve)")
     parser.set_defaults(func=main)
 
@@ -58,7 +61,7 @@ def _spec(args, config: dict, mode: str, out: Path, port: int) -> dict:
         "concurrency": config["concurrency"], "pool_blocks": pool_blocks, "max_batched_tokens": 2048, "short_prompt": 32,
         "stagger": args.divide_length, "settle": args.settle,
         "warmup_max": args.warmup_max, "window": args.window, "mode": mode, "port": port,
-        "log": str(out / f"{_label(config)}-{mode}.server.log"),
+        "log": str(out / f"{_label(config)}-{mode}.server.log"), "in_process": args.in_process and mode == "offline",
     }
     if config["method"] != "full":
         trikv = {"method": config["method"], "budget": config["budget"], "divide_length": args.divide_length}

@@ -131,7 +131,8 @@ def run_offline(spec: dict) -> dict:
     from ..models import resolve_model_path
 
     started = time.perf_counter()
-    llm = LLM(resolve_model_path(spec["model"]), **_engine_kwargs(spec))
+    extra = {"distributed_executor_backend": "uni"} if spec.get("in_process") else {}
+    llm = LLM(resolve_model_path(spec["model"]), **_engine_kwargs(spec), **extra)
     startup = time.perf_counter() - started
     engine = llm.llm_engine
     tokenizer = llm.get_tokenizer()
@@ -306,6 +307,8 @@ def run_http(spec: dict) -> dict:
 def main(spec_path: str, result_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if spec.get("in_process"):
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     result = run_http(spec) if spec.get("mode") == "http" else run_offline(spec)
     Path(result_path).write_text(json.dumps({"spec": spec, **result}, indent=2))
 
