@@ -168,7 +168,7 @@ def test_prompt_too_long_for_protection_competes_and_warns(caplog):
         trikv.generate(model, Tok(), [list(range(1, 41))], cache=cache, max_new_tokens=30, min_new_tokens=30)
     assert "competes for the budget" in caplog.text
     assert sum("competes" in r.message for r in caplog.records) == 1  # said once
-    kept = cache.positions[:, 0, :, : cache.length]
+    kept = cache.store.positions[:, 0, :, : cache.length]
     assert bool((kept >= 40).any())  # generated tokens survive: the prompt did not crowd them out
 
 

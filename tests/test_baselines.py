@@ -203,7 +203,7 @@ def test_captured_queries_reproduce_the_models_attention():
     n = cache.length
     queries, qpos = window.latest(2, cache.seen)  # the last prompt token and the decode token
     shape = cache.shape
-    for layers, probs in window_probabilities(queries, qpos, cache.keys[:, :, :, :n], cache.positions[:, :, :, :n], model.model.layers[0].self_attn.scaling, group="none"):
+    for layers, probs in window_probabilities(queries, qpos, cache.store.keys[:, :, :, :n], cache.store.positions[:, :, :, :n], model.model.layers[0].self_attn.scaling, group="none"):
         for layer in range(shape.num_layers):
             expected_prompt = out.attentions[layer][0, :, -1, :]  # [Hq, 20]
             expected_step = step.attentions[layer][0, :, 0, :]  # [Hq, 21]
@@ -523,7 +523,8 @@ def test_packed_layout_equals_uniform_layout_and_saves_memory(method):
     options = dict(method=method, budget=24, divide_length=6, max_new_tokens=50, min_new_tokens=50, return_logits=True)
     uniform = trikv.generate(model, _ByteTokenizer(), prompts, layout="uniform", **options)
     packed = trikv.generate(model, _ByteTokenizer(), prompts, **options)
-    assert type(packed.cache).__name__ == "PackedCache" and uniform.cache.layout == "uniform"
+    assert packed.cache.layout == "packed" and type(packed.cache.store).__name__ == "PackedStore"
+    assert uniform.cache.layout == "uniform"
     assert packed.cache.rounds == uniform.cache.rounds >= 4
     assert _kept_sets(packed.cache) == _kept_sets(uniform.cache)
     assert packed.tokens == uniform.tokens
@@ -537,22 +538,25 @@ def test_packed_layout_equals_uniform_layout_and_saves_memory(method):
     assert packed.cache.allocated_bytes() <= snap.cache.allocated_bytes() * (1 + (1 + 4 * Hkv) / (2 * D * 4))
 
 
-def test_triattention_on_the_packed_layout_scores_each_layer_with_its_own_statistics():
-    """A store that scores one layer at a time must hand TriAttention that layer's statistics: the packed
-    layout keeps exactly the uniform layout's sets (it used layer 0's statistics for every layer before)."""
+@pytest.mark.parametrize("method", ["triattention", "triattention-shared-layers"])
+def test_triattention_on_the_packed_layout_scores_each_layer_with_its_own_statistics(method):
+    """Both stores give the policy every layer at once: the packed layout keeps exactly the uniform layout's
+    sets, with each layer's own statistics (it once used layer 0's for every layer), and a selection shared
+    across layers works on both."""
     from stats_fixtures import tiny_stats
 
     model = tiny_model("qwen2", attn="sdpa", seed=3, num_hidden_layers=4)
     stats = tiny_stats(model)
     prompts = [torch.randint(1, 96, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (60, 9)]
-    options = dict(method="triattention", stats=stats, budget=24, divide_length=6, max_new_tokens=40, min_new_tokens=40)
+    options = dict(method=method, stats=stats, budget=24, divide_length=6, max_new_tokens=40, min_new_tokens=40)
     uniform = trikv.generate(model, _ByteTokenizer(), prompts, layout="uniform", **options)
     packed = trikv.generate(model, _ByteTokenizer(), prompts, layout="packed", **options)
     assert packed.cache.layout == "packed" and packed.cache.rounds == uniform.cache.rounds >= 4
-    assert _kept_sets(packed.cache) == _kept_sets(uniform.cache)
+    kept = _kept_sets(packed.cache)
+    assert kept == _kept_sets(uniform.cache)
     assert packed.tokens == uniform.tokens
-    with pytest.raises(ValueError, match="needs a cache that scores every layer together"):
-        trikv.generate(model, _ByteTokenizer(), prompts, layout="packed", **{**options, "method": "triattention-shared-layers"})
+    layers_agree = all(kept[row::2] == kept[row::2][:1] * len(kept[row::2]) for row in range(2))  # 2 rows per layer
+    assert layers_agree == (method == "triattention-shared-layers")  # shared: every layer keeps the same tokens
 
 
 @pytest.mark.parametrize("method", ["adakv", "pyramidkv"])
@@ -656,7 +660,7 @@ def test_snapkv_keeps_what_a_slow_reference_of_its_published_rule_keeps(method, 
 
     def compress():
         n = cache.length
-        keys, positions = cache.keys[:, 0, :, :n].clone(), cache.positions[:, 0, :, :n].clone()
+        keys, positions = cache.store.keys[:, 0, :, :n].clone(), cache.store.positions[:, 0, :, :n].clone()
         window = cache.query_window
         queries, query_positions = window.queries[:, 0].clone(), window.positions[0].clone()
         t = int(cache.current_positions()[0])

@@ -189,7 +189,7 @@ def test_rows_keep_their_own_selection():
     tokenizer = _ByteTokenizer()
     prompts = [torch.randint(1, 96, (20,)).tolist() for _ in range(2)]
     result = trikv.generate(model, tokenizer, prompts, method="triattention", stats=tiny_stats(model), budget=24, divide_length=8, max_new_tokens=40, min_new_tokens=40)
-    positions = result.cache.positions[:, :, :, : result.cache.length]
+    positions = result.cache.store.positions[:, :, :, : result.cache.length]
     assert not torch.equal(positions[:, 0], positions[:, 1])
     # live entries are in ascending original order in every (layer, row, head)
     for row in positions.flatten(0, 2):
@@ -229,7 +229,7 @@ def test_every_triattention_variant_is_exact_masking(method):
     attention_mask = (torch.arange(24)[None, :] >= torch.tensor([0, 14])[:, None]).long()
     reference = masked_reference_logits(model, input_ids, attention_mask, torch.tensor(result.tokens), log.visible)
     torch.testing.assert_close(torch.stack(result.logits), reference, rtol=0, atol=2e-4)
-    live = (result.cache.positions[:, :, :, : result.cache.length] >= 0).sum(-1)
+    live = (result.cache.store.positions[:, :, :, : result.cache.length] >= 0).sum(-1)
     assert int(live.max()) <= 28 + 8
 
 
@@ -271,7 +271,7 @@ def test_a_huge_budget_costs_nothing_until_used():
     rss_before = rss_bytes()
     huge = trikv.generate(model, tokenizer, prompt, method="streaming", budget=1_000_000, max_new_tokens=8, min_new_tokens=8)
     grown = rss_bytes() - rss_before  # the cache is alive here: one million slots would be ~800 MB
-    from trikv.cache import INITIAL_SLOTS
+    from trikv.stores import INITIAL_SLOTS
 
     assert huge.cache.capacity == INITIAL_SLOTS  # a full-attention cache of this model starts with as many
     assert grown < 100 * 2**20

@@ -171,7 +171,7 @@ class _BiasLog:
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         if isinstance(cache, CompressedCache):
             self.visible.append(cache.visible_positions().clone())
-            self.biases.append(cache.biases[:, :, :, : cache.length].clone())
+            self.biases.append(cache.store.biases[:, :, :, : cache.length].clone())
 
     def close(self):
         self.handle.remove()
@@ -241,7 +241,7 @@ def test_biased_cache_equals_replay_with_per_key_bias(attn):
         out = _generate(model, input_ids, cache, attention_mask, new_tokens=36)
     finally:
         log.close()
-    assert cache.rounds >= 3 and cache._has_bias
+    assert cache.rounds >= 3 and cache.store.has_bias
     generated = out.sequences[:, 20:]
     ours = torch.stack(out.logits)
     reference = _biased_reference_logits(model, input_ids, attention_mask, generated, log.visible, log.biases)
@@ -255,13 +255,14 @@ def test_zero_bias_and_original_values_equal_plain_eviction(attn):
     model = _model(attn)
     torch.manual_seed(4)
     input_ids = torch.randint(1, 96, (1, 24))
-    evict = CompressedCache(model, _SinBias(zero=True), budget=24, divide_length=8)
-    evict.policy.compacts = False  # the same selection without any compaction: plain eviction, no biases
+    selection_only = _SinBias(zero=True)
+    selection_only.compacts = False  # the same selection without any compaction: plain eviction, no biases
+    evict = CompressedCache(model, selection_only, budget=24, divide_length=8)
     plain = _generate(model, input_ids, evict)
-    assert evict.biases is None and evict.rounds >= 3
+    assert evict.store.biases is None and evict.rounds >= 3
     zero = CompressedCache(model, _SinBias(zero=True), budget=24, divide_length=8)
     compacted = _generate(model, input_ids, zero)
-    assert zero.biases is not None and zero.rounds == evict.rounds
+    assert zero.store.biases is not None and zero.rounds == evict.rounds
     assert torch.equal(torch.stack(plain.logits), torch.stack(compacted.logits))
     # the attention path with an explicit all-zero bias tensor (forced) agrees too
     forced = CompressedCache(model, _SinBias(zero=True), budget=24, divide_length=8)
@@ -269,7 +270,7 @@ def test_zero_bias_and_original_values_equal_plain_eviction(attn):
 
     def compress_and_publish():
         original()
-        forced._has_bias = True
+        forced.store.has_bias = True
 
     forced.compress = compress_and_publish
     published = _generate(model, input_ids, forced)
@@ -291,7 +292,7 @@ def test_budget_above_length_reproduces_outputs_exactly(method):
     ours = _generate(model, input_ids, cache)
     assert torch.equal(reference.sequences, ours.sequences)
     torch.testing.assert_close(torch.stack(ours.logits), torch.stack(reference.logits), rtol=0, atol=1e-5)
-    assert cache.rounds == 0 and not cache._has_bias
+    assert cache.rounds == 0 and not cache.store.has_bias
 
 
 def test_a_round_that_evicts_nothing_returns_the_entries_unchanged():
@@ -363,7 +364,7 @@ def test_mass_identity_after_a_tam_round():
     recorder = _Recorder(policy)
     # exactly one round (at 56 entries: 36 kept of 52 compactable, 16 probes), then one more token
     _generate(model, input_ids, cache, new_tokens=34)
-    assert cache.rounds == 1 and cache._has_bias
+    assert cache.rounds == 1 and cache.store.has_bias
     context, state, result = recorder.rounds[0]
     sc = context.scoring
     scaling = policy.scaling
@@ -377,11 +378,11 @@ def test_mass_identity_after_a_tam_round():
             reg = region[l, 0, h]
             before = _mass(queries[l, 0, h], sc.keys[l, 0, h][reg], sc.biases[l, 0, h][reg], scaling)
             # after: the cache's own entries whose positions came from the region
-            live = cache.positions[l, 0, h, : cache.length]
+            live = cache.store.positions[l, 0, h, : cache.length]
             from_region = torch.isin(live, sc.positions[l, 0, h][reg])
-            after = _mass(queries[l, 0, h], cache.keys[l, 0, h, : cache.length][from_region],
-                          cache.biases[l, 0, h, : cache.length][from_region], scaling)
-            evicted = _mass(queries[l, 0, h], cache.keys[l, 0, h, : cache.length][from_region],
+            after = _mass(queries[l, 0, h], cache.store.keys[l, 0, h, : cache.length][from_region],
+                          cache.store.biases[l, 0, h, : cache.length][from_region], scaling)
+            evicted = _mass(queries[l, 0, h], cache.store.keys[l, 0, h, : cache.length][from_region],
                             torch.zeros(int(from_region.sum())), scaling)
             assert int(from_region.sum()) == int((context.keep & region)[l, 0, h].sum()) < int(reg.sum())
             worst = max(worst, float(((after - before) / before).abs().max()))
@@ -431,7 +432,7 @@ def test_hybrid_keeps_triattentions_selection_and_fits():
         assert cache.rounds == 1
         kept[method] = cache.visible_positions().clone()
         if method == "tri-am":
-            assert cache._has_bias
+            assert cache.store.has_bias
             diag = cache.policy.last_round
             assert diag["probes"] == 2 * 17 * 4
             assert diag["mass_error"] < diag["mass_error_evict"]
@@ -676,4 +677,4 @@ def test_tam_periodic_ratio_target_and_omp_run():
     ratio = trikv.make_cache(model, "tam", budget=24, target_ratio=0.5, boundary_ids=(3,), protect_prompt=False, **SMALL_TAM)
     _generate(model, input_ids, ratio, new_tokens=18)  # one round at 40 entries: 4 protected + ceil(36 / 2)
     assert ratio.rounds == 1
-    assert int((ratio.positions[:, :, :, : ratio.length] >= 0).sum(-1).max()) == 4 + 18 + 1
+    assert int((ratio.store.positions[:, :, :, : ratio.length] >= 0).sum(-1).max()) == 4 + 18 + 1

@@ -130,7 +130,7 @@ def test_kept_sets_equal_an_independent_reference(method):
 
     def compress():
         n = cache.length
-        keys, positions = cache.keys[:, 0, :, :n].clone(), cache.positions[:, 0, :, :n].clone()
+        keys, positions = cache.store.keys[:, 0, :, :n].clone(), cache.store.positions[:, 0, :, :n].clone()
         t = int(cache.current_positions()[0])
         rounds = cache.rounds
         original()

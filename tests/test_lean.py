@@ -93,7 +93,7 @@ def test_lean_serves_policies_with_queries_observation_and_biases(method, option
     hf, lean = _both(model, prompts, method=method, budget=24, divide_length=8, **options)
     assert hf.cache.rounds >= 3
     if method == "tam":
-        assert lean.cache._has_bias  # the per-key log-biases really reached attention
+        assert lean.cache.store.has_bias  # the per-key log-biases really reached attention
     assert lean.tokens == hf.tokens
     torch.testing.assert_close(torch.stack(lean.logits), torch.stack(hf.logits), rtol=0, atol=ATOL)
 

@@ -164,7 +164,7 @@ def generate(
         from .lean import LeanEngine
 
         lean = LeanEngine.for_model(model)
-        if isinstance(cache, CompressedCache) and cache.budget is None and cache.keys is None:  # full: no doubling
+        if isinstance(cache, CompressedCache) and cache.budget is None and cache.batch_size < 0:  # full: no doubling
             cache.reserve(input_ids.shape[1] + max_new_tokens, input_ids.shape[0], next(model.parameters()).dtype, device)
     if seed is not None:
         torch.manual_seed(seed)

@@ -294,7 +294,7 @@ class LeanEngine:
         kwargs: dict = {}
         keys, values = cache.update(key, value, index, kwargs=kwargs)  # [b, Hkv, P, D] views of the buffer
         valid, bias = kwargs.get("trikv_valid"), kwargs.get("trikv_bias")
-        if kwargs.get("trikv_packed") is not None:  # PyramidKV / Ada-KV regions (packed.py)
+        if kwargs.get("trikv_packed") is not None:  # PyramidKV / Ada-KV regions (stores/packed.py)
             out = packed_attention(query, keys, values, kwargs["trikv_packed"], self.scaling).reshape(b * q, Hq * D)
         elif q == 1:
             out = self._decode_attention(query, keys, values, valid, bias)  # [b, Hq D]

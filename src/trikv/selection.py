@@ -1,4 +1,4 @@
-"""Which entries a compression round protects, shared by every cache trikv runs (transformers and vLLM).
+"""Which entries a compression round protects and keeps, shared by every cache trikv runs (transformers and vLLM).
 
 Protected entries never compete for the budget: the recent window of the method, and the prompt while it
 leaves at least `min_decode_room` of the budget to generated tokens (past that, the prompt competes too:
@@ -33,3 +33,20 @@ def protected_entries(
         in_prompt = (positions >= 0) & (positions < prompt_lengths[None, :, None, None])
         protected |= in_prompt & keep_prompt[None, :, None, None]
     return protected
+
+
+def top_entries(scores: torch.Tensor, budget: int, counts: torch.Tensor | None = None) -> torch.Tensor:
+    """[L, b, Hkv, N] bool: the `budget` highest scores of every (layer, row, KV head), or `counts[l, b, h]` of
+    them when the policy allocates its own (PyramidKV, Ada-KV). Protected entries score +inf, dead ones -inf."""
+    n = scores.shape[-1]
+    if counts is not None:
+        k = min(int(counts.max()), n)
+        top = scores.topk(k, dim=-1).indices  # descending
+        within = torch.arange(k, device=scores.device) < counts[..., None]
+        return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, top, within)
+    if budget >= n:
+        return torch.ones_like(scores, dtype=torch.bool)
+    if n - budget < budget:  # find the few to evict, not the many to keep
+        evicted = scores.topk(n - budget, dim=-1, largest=False, sorted=False).indices
+        return torch.ones_like(scores, dtype=torch.bool).scatter_(-1, evicted, False)
+    return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, scores.topk(budget, dim=-1, sorted=False).indices, True)

@@ -177,14 +177,14 @@ def spread_step(cache) -> None:
     scorer = getattr(cache.policy, "scorer", None)
     if (
         not isinstance(scorer, FastTriScorer) or not scorer.spread or scorer.offset_aggregation != "mean"
-        or cache.budget is None or cache.keys is None
+        or cache.budget is None or cache.layout != "uniform" or cache.batch_size < 0
     ):
         return
     steps_left = cache.schedule.steps_until_due(cache.length)  # decode forwards before the round's
     if steps_left < 1:
         return
     t_round = cache.seen + steps_left
-    scorer.ahead(cache.keys, cache.length, t_round, lambda: cache.current_positions() + steps_left, steps_left,
+    scorer.ahead(cache.store.keys, cache.length, t_round, lambda: cache.current_positions() + steps_left, steps_left,
                  cache.length + steps_left)
 
 

@@ -54,7 +54,7 @@ class AdaKV(SnapKV):
     (KVCache-Factory `--floor 0.2`, kvpress `alpha_safeguard=0.20`; the official README example uses 0.5);
     SnapKV decode port scores (w = 8, kernel 7, max pooling, max_logit); the shared trigger.
     Source: FFY0/AdaKV; kvpress `AdaKVPress`
-    Memory: the cache uses the packed layout for this policy (packed.py; the official code's var-len
+    Memory: the cache uses the packed layout for this policy (stores/packed.py; the official code's var-len
     flash-attention layout in plain PyTorch): every head stores exactly its entries, so right after a round
     a layer holds Hkv x B entries, as for uniform SnapKV. Attention over a packed layer reads every slot once.
     Cost: SnapKV's, plus two sorts over Hkv·N per layer and row per round.

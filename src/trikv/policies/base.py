@@ -33,8 +33,6 @@ class ScoringContext:
     # for policies with `needs_tokens`, the token id at each RoPE position of every row (-1 = unknown)
     biases: torch.Tensor | None = None  # [L, b, Hkv, N] float32
     tokens: torch.Tensor | None = None  # [b, T] long
-    # the model layers the leading axis covers; None = all (a store that scores one layer at a time passes it)
-    layers: slice | None = None
 
 
 @dataclass

@@ -69,7 +69,7 @@ class PyramidKV(SnapKV):
     Defaults: beta = 20 (KVCache-Factory, kvpress), SnapKV decode port (w = 8, kernel 7, max pooling,
     max_logit), the shared trigger. Source: Zefan-Cai/KVCache-Factory `pyramidkv_utils.py`; kvpress
     `PyramidKVPress`
-    Memory: the cache uses the packed layout for this policy (packed.py): each layer stores exactly the
+    Memory: the cache uses the packed layout for this policy (stores/packed.py): each layer stores exactly the
     entries it keeps, so right after a round the K/V bytes are L x Hkv x budget entries, as for uniform
     SnapKV (`layout="uniform"` gives the dead-slot layout instead, for comparisons).
     Cost: SnapKV's, plus O(L·b) for the budgets.

@@ -84,13 +84,7 @@ class TriAttention(Policy):
         )
 
     def score(self, context: ScoringContext) -> torch.Tensor:
-        if context.layers is not None and (self.shared_across_layers or self.union_selection):
-            raise ValueError(
-                f"{self.name} with shared_across_layers / union_selection ranks entries across all layers at once; "
-                "it needs a cache that scores every layer together (layout='uniform')"
-            )
-        layers = slice(None) if context.layers is None else context.layers
-        per_query_head = self.scorer.score(context.keys, context.current_position, layers)  # [L, b, Hkv, G, N]
+        per_query_head = self.scorer.score(context.keys, context.current_position)  # [L, b, Hkv, G, N]
         if self.normalize:
             per_query_head = zscore(per_query_head, context.candidates[:, :, :, None, :])
         if self.union_selection:
