@@ -47,6 +47,20 @@ def _bound_lines(record: dict) -> list[str]:
                      f"{run['output_tokens_per_second'] * tpot:.1f} requests decode per step on average; "
                      f"peak KV {run.get('peak_kv_blocks', '?')} of {record['pool_blocks'] - 1} blocks, "
                      f"{int(run.get('preemptions_in_window') or 0)} preemptions in the window")
+    full = {(run["concurrency"], run["mode"]): run for run in record["runs"] if run["budget"] is None}
+    for run in record["runs"]:
+        reference = full.get((run["concurrency"], run["mode"]))
+        if run["budget"] is None or reference is None or None in (run["tpot_seconds"]["p50"], reference["tpot_seconds"]["p50"]):
+            continue
+        decoding = reference["output_tokens_per_second"] * reference["tpot_seconds"]["p50"]
+        lines.append(f"- {run['method']} B={run['budget']} vs full, {run['concurrency']} slots ({run['mode']}): about "
+                     f"{run['output_tokens_per_second'] * run['tpot_seconds']['p50']:.1f} requests decode per step against full "
+                     f"attention's {decoding:.1f} (its pool holds that many of its spread-age requests), "
+                     f"x{run['output_tokens_per_second'] * run['tpot_seconds']['p50'] / decoding:.2f}; the step time does the rest "
+                     f"({run['tpot_seconds']['p50'] * 1000:.0f} vs {reference['tpot_seconds']['p50'] * 1000:.0f} ms p50). With every "
+                     f"slot busy the concurrency share cannot pass {run['concurrency']} / {decoding:.1f} = "
+                     f"x{run['concurrency'] / decoding:.2f}: on this CPU a step costs more with a larger batch, so beyond that "
+                     "only a cheaper step (shorter attention) adds throughput")
     return lines
 
 
