@@ -355,6 +355,51 @@ def test_quick_preset_end_to_end_and_resume(tmp_path, tokenizer):
         run_quality(other, out, model=model, tokenizer=tokenizer, stats=stats, progress=False, log=lambda *a: None)
 
 
+def test_fidelity_on_the_users_own_text_files(tmp_path, tokenizer):
+    """`--text-file`: the file's text is what the fidelity task feeds (named after the file), its content is part
+    of the run's fingerprint, and a missing, empty, non-UTF-8 or too short file is refused by name."""
+    from trikv.benchmarks.quality.cli import config_from_args
+    from trikv.benchmarks.quality.runner import config_from_preset, run_quality
+    from trikv.cli import build_parser
+
+    model = tiny_model(vocab_size=len(tokenizer))
+    stats = tiny_stats(model)
+    story = tmp_path / "story.txt"
+    story.write_text(" ".join(f"line {i}: the cat sat on mat number {i * 7 % 13}." for i in range(60)))
+    args = build_parser().parse_args(["bench", "quality", "--task", "fidelity", "--text-file", str(story),
+                                      "--methods", "full,streaming", "--budgets", "40", "--text-tokens", "160"])
+    config = config_from_args(args)
+    assert config.texts == [] and config.text_files == [str(story)]
+    quiet = dict(model=model, tokenizer=tokenizer, stats=stats, progress=False, log=lambda *a: None)
+    record = run_quality(config, tmp_path / "run", **quiet)
+    meta = record["results"]["fidelity"]["meta"]
+    assert meta["texts"] == ["story"]
+    # the reference perplexity is that of the file's first 160 tokens under the model (computed here directly)
+    ids = torch.tensor([tokenizer(story.read_text(), add_special_tokens=False)["input_ids"][:160]])
+    with torch.no_grad():
+        logits = model(ids).logits[0, config.prompt_tokens : -1].float()  # decoded positions predict the next token
+    nll = torch.nn.functional.cross_entropy(logits, ids[0, config.prompt_tokens + 1 :])
+    measured = record["results"]["fidelity"]["methods"]["full"]["full"]
+    assert measured["perplexity"] == pytest.approx(float(torch.exp(nll)), rel=1e-3)
+    # new content under the same name is another run: the folder refuses to mix them
+    story.write_text(story.read_text().replace("cat", "dog"))
+    with pytest.raises(ValueError):
+        run_quality(config, tmp_path / "run", **quiet)
+    # with --texts, the files add to the shipped texts
+    both = config_from_args(build_parser().parse_args(["bench", "quality", "--texts", "python-reference", "--text-file", str(story)]))
+    assert both.texts == ["python-reference"] and both.text_files == [str(story)]
+    # bad files
+    with pytest.raises(FileNotFoundError, match="text file not found: .*absent.txt"):
+        config_from_preset("quick", tasks=["fidelity"], text_files=[str(tmp_path / "absent.txt")])
+    for name, content, message in [("empty.txt", b"  \n", "holds no text"), ("binary.txt", b"\xff\xfe\x00abc", "is not UTF-8 text"),
+                                   ("short.txt", b"just a few words", "short has")]:
+        (tmp_path / name).write_bytes(content)
+        config = config_from_preset("quick", tasks=["fidelity"], texts=[], text_files=[str(tmp_path / name)], text_tokens=160,
+                                    methods=["full"], budgets=[40])
+        with pytest.raises(ValueError, match=message):
+            run_quality(config, tmp_path / f"run-{name}", **quiet)
+
+
 def test_cli_bench_group():
     from trikv.cli import build_parser
 

@@ -37,6 +37,8 @@ def add_quality_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu")
     group = parser.add_argument_group("fidelity / recall")
     group.add_argument("--texts", type=_names, default=None, help="shipped text names (see trikv/benchmarks/quality/data/README.md)")
+    group.add_argument("--text-file", action="append", default=None, metavar="FILE",
+                       help="your own UTF-8 text (repeatable); alone it replaces the shipped texts, with --texts it adds to them")
     group.add_argument("--text-tokens", type=int, default=None, help="tokens per text")
     group.add_argument("--recall-stride", type=int, default=None, help="measure recall on every n-th query")
     group.add_argument("--horizons", type=_ints, default=None, help="horizon bucket edges, e.g. 128,1024,4096")
@@ -64,7 +66,8 @@ def config_from_args(args):
         tasks = list(TASKS)
     return config_from_preset(
         args.preset, tasks=tasks, model=args.model, stats=args.stats, methods=args.methods, budgets=args.budgets,
-        divide_length=args.divide_length, seed=args.seed, texts=args.texts, text_tokens=args.text_tokens,
+        divide_length=args.divide_length, seed=args.seed, texts=[] if args.text_file and args.texts is None else args.texts,
+        text_files=args.text_file, text_tokens=args.text_tokens,
         recall_stride=args.recall_stride, horizons=args.horizons, dfs_mode=args.dfs_mode, dfs_graphs=args.dfs_graphs,
         dfs_ks=args.dfs_ks, needle_lengths=args.needle_lengths, needle_depths=args.needle_depths,
         math_datasets=args.math_datasets, math_limit=args.limit, math_samples=args.samples,

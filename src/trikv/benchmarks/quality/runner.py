@@ -37,6 +37,7 @@ class QualityConfig:
     max_chunk: int = 128
     # fidelity + recall
     texts: list[str] = field(default_factory=lambda: ["python-reference", "math-solutions"])
+    text_files: list[str] = field(default_factory=list)  # the user's own UTF-8 texts, fed as they are
     text_tokens: int = 1024
     prompt_tokens: int = 32
     recall_stride: int = 4
@@ -58,7 +59,10 @@ class QualityConfig:
     math_max_new_tokens: int = 1024
 
     def fingerprint(self) -> str:
-        return hashlib.sha256(json.dumps(dataclasses.asdict(self), sort_keys=True).encode()).hexdigest()[:16]
+        # a text file's content, not only its path, decides whether earlier units can be reused
+        contents = [file_sha256(path) if Path(path).is_file() else None for path in self.text_files]
+        record = {**dataclasses.asdict(self), "text_file_sha256": contents}
+        return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()[:16]
 
 
 PRESETS: dict[str, dict] = {
@@ -113,6 +117,11 @@ def validate(config: QualityConfig) -> None:
         raise ValueError("dfs_mode must be teacher-forced, generative or both")
     if any(not 0.0 <= d <= 1.0 for d in config.needle_depths):
         raise ValueError("needle depths must lie in [0, 1]")
+    for path in config.text_files:
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"text file not found: {path}")
+    if "fidelity" in config.tasks and not config.texts and not config.text_files:
+        raise ValueError("the fidelity task needs at least one text (--texts or --text-file)")
 
 
 # ---- fingerprints ---------------------------------------------------------------------------------
@@ -283,14 +292,23 @@ class QualityRun:
 
     def _run_fidelity(self) -> dict:
         from .fidelity import FidelityTask, build_batch
-        from .texts import load_texts, text_token_ids
+        from .texts import load_texts, text_from_file, text_token_ids
 
         c = self.config
-        texts = {t.name: t for t in load_texts()}
-        missing = [name for name in c.texts if name not in texts]
+        shipped = {t.name: t for t in load_texts()}
+        missing = [name for name in c.texts if name not in shipped]
         if missing:
-            raise ValueError(f"unknown fidelity text(s) {missing}; shipped: {', '.join(texts)}")
-        ids = build_batch([text_token_ids(texts[name], self.tokenizer) for name in c.texts], c.text_tokens)
+            raise ValueError(f"unknown fidelity text(s) {missing}; shipped: {', '.join(shipped)}")
+        texts = [shipped[name] for name in c.texts] + [text_from_file(path) for path in c.text_files]
+        names = [text.name for text in texts]
+        if len(set(names)) != len(names):
+            raise ValueError(f"two fidelity texts share a name ({', '.join(names)}); rename the file")
+        token_lists = [text_token_ids(text, self.tokenizer) for text in texts]
+        short = [(text.name, len(ids)) for text, ids in zip(texts, token_lists) if len(ids) < c.text_tokens]
+        if short:
+            raise ValueError(f"fidelity texts must hold at least --text-tokens {c.text_tokens} tokens; "
+                             + ", ".join(f"{name} has {count}" for name, count in short))
+        ids = build_batch(token_lists, c.text_tokens)
         task = FidelityTask(self.model, ids, c.prompt_tokens, c.max_chunk, c.recall_stride, c.horizons)
         cells = [cell for cell in self.cells() if cell[0] != "full"]
         recall_todo = [cell for cell in cells if self.units.get("recall", *cell) is None]
@@ -325,7 +343,7 @@ class QualityRun:
         for method, budget in self.cells():
             fidelity.setdefault(method, {})[budget_key(method, budget)] = self.units.get("fidelity", method, budget)
             recall.setdefault(method, {})[budget_key(method, budget)] = self.units.get("recall", method, budget)
-        meta = {"texts": c.texts, "tokens_per_text": c.text_tokens, "prompt_tokens": c.prompt_tokens}
+        meta = {"texts": names, "tokens_per_text": c.text_tokens, "prompt_tokens": c.prompt_tokens}
         return {"fidelity": {"meta": meta, "methods": fidelity}, "recall": {"meta": meta | {"horizons": c.horizons, "query_stride": c.recall_stride}, "methods": recall}}
 
     def _full_fidelity(self, task) -> dict:

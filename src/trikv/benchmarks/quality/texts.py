@@ -51,6 +51,18 @@ def load_texts(path: str | Path | None = None) -> list[FidelityText]:
     return rows
 
 
+def text_from_file(path: str | Path) -> FidelityText:
+    """A user's own text (UTF-8), fed as it is; named after the file."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{path} is not UTF-8 text ({error.reason} at byte {error.start})") from None
+    if not text.strip():
+        raise ValueError(f"{path} holds no text")
+    return FidelityText(name=path.stem, kind="real", text=text, source=str(path))
+
+
 def text_token_ids(text: FidelityText, tokenizer) -> list[int]:
     """Token ids of a text as the benchmark feeds it: traces behind their chat prompt, real text as is."""
     if text.kind == "trace" and text.prompt:
