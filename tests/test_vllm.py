@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -325,6 +324,8 @@ def test_http_server_streams_a_chat_completion_with_the_bounded_cache(tmp_path):
     import time
     import urllib.request
 
+    from trikv.benchmarks.serving_engine import stop_server
+
     port = _free_port()
     log_path = tmp_path / "server.log"
     command = [sys.executable, "-m", "trikv.cli", "serve", "--budget", str(BUDGET), "--divide-length", str(SLACK), "--port", str(port),
@@ -357,12 +358,8 @@ def test_http_server_streams_a_chat_completion_with_the_bounded_cache(tmp_path):
                     if delta.get("content"):
                         chunks.append(delta["content"])
         assert len(chunks) > 50 and "".join(chunks).strip()
-    finally:  # the server and every process it started
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
+    finally:
+        stop_server(server)
     assert "trikv: request" in log_path.read_text() and "compacted at" in log_path.read_text()
 
 

@@ -294,14 +294,20 @@ def run_http(spec: dict) -> dict:
             result = tracker.summary()
         result.update({"startup_seconds": startup, "warmup_seconds": window_start - warm_start, "requests_started": counter[0]})
         return result
-    finally:  # the server and every process it started
-        import signal
+    finally:
+        stop_server(server)
 
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
+
+def stop_server(server) -> None:
+    """Stop a server started in its own process group (`start_new_session=True`) and every process it started."""
+    import signal
+    import subprocess
+
+    os.killpg(server.pid, signal.SIGTERM)
+    try:
+        server.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(server.pid, signal.SIGKILL)
 
 
 def main(spec_path: str, result_path: str) -> None:

@@ -8,9 +8,9 @@ throughput of full attention at the same concurrency. Nothing is typed in.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
+from .report_pages import embed_plot
 from .serving import TARGET_RATIO, format_table
 
 
@@ -100,9 +100,7 @@ def write_serving_report(folders: list[str | Path], out: str | Path) -> Path:
         lines += ["```", format_table(record), "```", "", "What bounds the runs:", ""] + _bound_lines(record) + [""]
         png = folder / "throughput.png"
         if png.is_file():
-            target = assets / f"{index}_{name}_{png.name}"
-            shutil.copyfile(png, target)
-            lines += [f"![{name}]({assets.name}/{target.name})", ""]
+            lines += embed_plot(png, assets, f"{index}_{name}", name)
     out.write_text("\n".join(lines))
     return out
 

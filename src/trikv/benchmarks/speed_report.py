@@ -7,9 +7,9 @@ generation, `--memory-run`). The targets are evaluated from the numbers in those
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
+from .report_pages import embed_plot
 from .speed import format_table
 
 TARGET_EFFICIENCY = 0.75  # achieved speed-up / memory-bound speed-up at 16K and 32K
@@ -135,9 +135,7 @@ def write_speed_report(folders: list[str | Path], out: str | Path, title: str = 
         else:
             raise FileNotFoundError(f"no speed.json or memory.json in {folder}")
         if png.is_file():
-            target = assets / f"{index}_{name}_{png.name}"
-            shutil.copyfile(png, target)
-            lines += [f"![{name}]({assets.name}/{target.name})", ""]
+            lines += embed_plot(png, assets, f"{index}_{name}", name)
     out.write_text("\n".join(lines))
     return out
 

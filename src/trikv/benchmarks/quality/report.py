@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 from pathlib import Path
+
+from ..report_pages import embed_plot
 
 
 # ---- table helpers -------------------------------------------------------------------------------------
@@ -363,8 +364,6 @@ def write_report(folders: list[str | Path], out: str | Path, title: str = "trikv
         for title_text, table in sections(record, markdown=True):
             lines += [f"### {title_text}", "", table, ""]
         for png in sorted(Path(folder).glob("*.png")):
-            target = assets / f"{index}_{name}_{png.name}"
-            shutil.copyfile(png, target)
-            lines += [f"![{name} {png.stem}]({assets.name}/{target.name})", ""]
+            lines += embed_plot(png, assets, f"{index}_{name}", f"{name} {png.stem}")
     out.write_text("\n".join(lines))
     return out
