@@ -249,6 +249,49 @@ def test_bounded_requests_fit_four_times_more(engines_dir, prompts):
     assert all(len(r["tokens"]) == length - prompt_length for r in run["batches"][0]["requests"])
 
 
+def test_chunked_prefill_preemption_and_abort_keep_working(real_model, engines_dir, prompts):
+    """Six short prompts that outgrow a small pool as they decode (vLLM preempts and recomputes), two prompts longer
+    than budget + slack prefilled in chunks of 64 tokens, and two requests aborted mid-generation: every other
+    request ends with all its tokens; a chunked prefill never preempted keeps what the transformers path keeps and
+    emits its tokens; a request resumed after a round is compacted afresh from its recomputed entries; every block
+    is back in the pool at the end."""
+    model, _ = real_model
+    text_ids = prompts[2] + prompts[1] + prompts[0]
+    requests = [(text_ids[i * 7 :] + text_ids[: i * 7])[: 20 if i < 6 else 150] for i in range(8)]
+    pool, new_tokens, aborted = 10, 120, [1, 4]
+    run = run_engine(engines_dir, "stress", {
+        "dtype": "float32", "trikv": _trikv_settings(),
+        "engine": {"num_gpu_blocks_override": pool, "max_model_len": 288, "max_num_seqs": 8,
+                   "enable_chunked_prefill": True, "max_num_batched_tokens": 64},
+        "batches": [{"prompts": requests, "max_tokens": new_tokens, "abort": {"after_steps": 30, "requests": aborted}}],
+    })
+    assert run["stats"][0]["preemptions"] > 0, "the pool was large enough: nothing was preempted"
+    assert run["free_blocks_at_end"] == pool - 1  # finished, aborted and preempted requests returned every block
+    stats = trikv.load_stats("smollm2-135m", model)
+    replayed, resumed = [], []
+    for index, request in enumerate(run["batches"][0]["requests"]):
+        if request["aborted"]:
+            assert 0 < len(request["tokens"] or []) < new_tokens, "abort after 30 steps: mid-generation"
+            continue
+        assert len(request["tokens"]) == new_tokens
+        rounds = _rounds_of(run, request["request_id"])
+        assert rounds and all(len(r["kept_positions"][0][0]) == BUDGET for r in rounds)
+        # never preempted: every round at budget + slack, except a long prompt's first, right after its (chunked)
+        # prefill; a preempted request starts over from its prompt and output so far, and its first round after the
+        # recompute compacts all of those entries
+        after_prefill = rounds[0]["position"] == len(request["prompt"]) > BUDGET + SLACK
+        regular = all(r["length"] == BUDGET + SLACK for r in rounds[1 if after_prefill else 0 :])
+        if not regular:
+            resumed.append(index)
+            assert all(r["length"] == r["position"] for r in rounds if r["length"] > BUDGET + SLACK)
+        elif after_prefill:  # the chunked prefills: replayed through the transformers path (the short ones run as elsewhere)
+            report = replay(model, "triattention", request, rounds, tie=1e-3, stats=stats)
+            assert report["predictions"] == request["tokens"]
+            replayed.append(index)
+    print(f"stress: replayed {replayed}, resumed after a preemption {resumed}, {run['stats'][0]['preemptions']} preemptions")
+    assert replayed, "no chunked prefill was replayed"
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_page_codec_reads_and_writes_vllm_cpu_pages(dtype):
     """The codec against vLLM's own CPU KV write (fp32: `vec` pages, keys transposed; bf16 on AMX: VNNI tiles):

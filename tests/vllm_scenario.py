@@ -4,8 +4,9 @@ Each engine runs in a fresh interpreter, which keeps the test process free of vL
 "trikv": settings for trikv.vllm.engine_args or null (plain vLLM), "engine": extra vllm.LLM arguments, "env":
 environment variables, "in_process": engine core and worker inside this interpreter (default; false runs
 vLLM's usual separate processes, which tensor parallelism needs), "batches": [{"prompts": [token id lists],
-"max_tokens", "min_tokens"}]}. RESULT: per batch the prompt and generated token ids of every request, then
-every rank's round records and statistics.
+"max_tokens", "min_tokens", optional "abort": {"after_steps", "requests": [indices]}: the engine is then stepped by
+hand and those requests are aborted}]}. RESULT: per batch the prompt and generated token ids of every request, then
+every rank's round records and statistics (in-process: the pool's free blocks at the end).
 """
 
 from __future__ import annotations
@@ -39,17 +40,39 @@ def main(spec_path: str, result_path: str) -> None:
         params = SamplingParams(max_tokens=batch["max_tokens"], min_tokens=batch.get("min_tokens", batch["max_tokens"]),
                                 temperature=0.0, ignore_eos=True)
         started = time.perf_counter()
-        outputs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in batch["prompts"]], params, use_tqdm=False)
-        result["batches"].append({
-            "seconds": time.perf_counter() - started,
-            "requests": [{"request_id": out.request_id, "prompt": list(out.prompt_token_ids), "tokens": list(out.outputs[0].token_ids)}
-                         for out in outputs],
-        })
+        if "abort" in batch:
+            requests = _step_with_aborts(llm, batch, params, TokensPrompt)
+        else:
+            outputs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in batch["prompts"]], params, use_tqdm=False)
+            requests = [{"request_id": out.request_id, "prompt": list(out.prompt_token_ids), "tokens": list(out.outputs[0].token_ids)}
+                        for out in outputs]
+        result["batches"].append({"seconds": time.perf_counter() - started, "requests": requests})
+    if in_process:  # every block back in the pool once all requests ended (finished, aborted or preempted)
+        result["free_blocks_at_end"] = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
     if extra:
         result["rounds"] = llm.collective_rpc("trikv_rounds")  # one list per rank
         result["stats"] = llm.collective_rpc("trikv_stats")
     with open(result_path, "w") as handle:
         json.dump(result, handle)
+
+
+def _step_with_aborts(llm, batch: dict, params, TokensPrompt) -> list[dict]:
+    """Drive the engine step by step and abort `batch["abort"]["requests"]` (indices) after `batch["abort"]["after_steps"]`
+    steps; an aborted request reports the tokens it had streamed (None if none)."""
+    engine = llm.llm_engine
+    ids = [str(index) for index in range(len(batch["prompts"]))]  # vLLM appends "-<suffix>" to each
+    for request_id, prompt in zip(ids, batch["prompts"]):
+        engine.add_request(request_id, TokensPrompt(prompt_token_ids=prompt), params)
+    aborted = {ids[index] for index in batch["abort"]["requests"]}
+    latest, steps = {}, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            latest[out.request_id] = list(out.outputs[0].token_ids)
+        steps += 1
+        if steps == batch["abort"]["after_steps"]:
+            engine.abort_request(sorted(aborted))
+    return [{"request_id": request_id, "prompt": prompt, "tokens": latest.get(request_id), "aborted": request_id in aborted}
+            for request_id, prompt in zip(ids, batch["prompts"])]
 
 
 if __name__ == "__main__":
