@@ -3,6 +3,7 @@
 The paper calibrates on full-attention reasoning traces; we do the same with the bundled model, on
 MATH-500 problems 250-297 (the evaluation tasks use other texts), sampled at T=0.6, top-p 0.95, seed 0.
 Usage: python scripts/make_calibration_text.py [--model smollm2-135m] [--out src/trikv/data/calibration/...]
+The rows used are written to the provenance file and skipped by every math evaluation.
 """
 
 import argparse
@@ -23,6 +24,7 @@ def main():
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=640)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--engine", default="lean", help="transformers or lean (same tokens, faster on CPU)")
     parser.add_argument("--out", default="src/trikv/data/calibration/smollm2-135m-math500-traces.txt")
     args = parser.parse_args()
     rows = [json.loads(line) for line in (files("trikv") / "data/datasets/math500.jsonl").read_text().splitlines()]
@@ -33,7 +35,8 @@ def main():
         batch = problems[start : start + args.batch]
         prompts = [f"Solve this problem step by step.\n\n{p}" for p in batch]
         result = trikv.generate(model, tokenizer, prompts, method="full", max_new_tokens=args.new_tokens,
-                                do_sample=True, temperature=0.6, top_p=0.95, seed=args.seed + start, progress=True)
+                                do_sample=True, temperature=0.6, top_p=0.95, seed=args.seed + start, progress=True,
+                                engine=args.engine)
         traces += [f"Problem: {p}\n\nSolution: {t.strip()}" for p, t in zip(batch, result.texts)]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -43,7 +46,7 @@ def main():
         "problems": f"MATH-500 rows {args.first}-{args.first + args.count - 1} (MIT)",
         "math500_rows": [args.first, args.first + args.count - 1],  # reserved: math evaluation skips them
         "sampling": {"temperature": 0.6, "top_p": 0.95, "seed": args.seed, "max_new_tokens": args.new_tokens},
-        "generated_with": "trikv.generate(method='full')",
+        "generated_with": f"trikv.generate(method='full', engine={args.engine!r}), chat template",
         "tokens": len(tokenizer(out.read_text()).input_ids),
     }
     out.with_suffix(".json").write_text(json.dumps(provenance, indent=2) + "\n")

@@ -364,3 +364,16 @@ def test_cli_refuses_bad_input_with_a_message(tmp_path, capsys):
     for argv, message in cases:
         code, output = _cli(capsys, *argv)
         assert code != 0 and message in output, (argv, output)
+
+
+def test_triattention_window_settings_are_checked():
+    model = tiny_model("qwen2")
+    stats = tiny_stats(model)
+    with pytest.raises(ValueError, match="window_weight must lie in"):
+        trikv.make_cache(model, "triattention-window", budget=64, stats=stats, window_weight=1.5)
+    with pytest.raises(ValueError, match="must cover the window"):
+        trikv.make_cache(model, "triattention-window", budget=64, stats=stats, window_size=16, recent_window=8)
+    with pytest.raises(ValueError, match="needs calibration statistics"):
+        trikv.make_cache(model, "triattention-window", budget=64)
+    cache = trikv.make_cache(model, "triattention-window", budget=64, stats=stats, window_size=16)
+    assert cache.policy.recent_window == 16 and cache.query_window is not None

@@ -74,7 +74,37 @@ def zscored(scores, candidates):
     return (scores - mean) / std
 
 
-def expected_scores(method, options, cache, stats, geometry, keys, positions, t, prompt_length):
+def window_attention_reference(keys, positions, queries, query_positions, t, w, group, scaling) -> torch.Tensor:
+    """[L, Hkv, N] SnapKV's (official rule) pooled window attention, one head and query at a time: softmax over
+    every visible key, the window's own columns dropped, mean over queries and the group, average pooling
+    (kernel 5, zero padding) over the older keys in position order; 0 for the window and dead slots."""
+    L, Hkv, N, _ = keys.shape
+    out = torch.zeros(L, Hkv, N, dtype=torch.float64)
+    for layer in range(L):
+        for g in range(Hkv):
+            slots = sorted((int(p), n) for n, p in enumerate(positions[layer, g].tolist()) if 0 <= p < t - w)
+            if not slots:
+                continue
+            live = positions[layer, g] >= 0
+            score = torch.zeros(N, dtype=torch.float64)
+            seen = 0
+            for i, qp in enumerate(query_positions.tolist()):
+                if qp < 0:
+                    continue
+                seen += 1
+                for h in range(g * group, (g + 1) * group):
+                    logits = (keys[layer, g].double() @ queries[layer, h, i].double()) * scaling
+                    visible = live & (positions[layer, g] <= qp)
+                    score += torch.softmax(logits.masked_fill(~visible, float("-inf")), -1).nan_to_num() / group
+            ordered = torch.tensor([float(score[n]) / max(seen, 1) for _, n in slots])
+            pooled = torch.nn.functional.avg_pool1d(ordered[None, None], 5, stride=1, padding=2)[0, 0]
+            for (_, n), value in zip(slots, pooled.tolist()):
+                out[layer, g, n] = value
+    return out
+
+
+def expected_scores(method, options, cache, stats, geometry, keys, positions, t, prompt_length, queries=None,
+                    query_positions=None):
     """[L, Hkv, N] the method's ranking of the stored entries: protected +inf, dead -inf; keep the top-B."""
     L, Hkv, N = positions.shape
     live = positions >= 0
@@ -82,7 +112,16 @@ def expected_scores(method, options, cache, stats, geometry, keys, positions, t,
     protect = prompt_length + window + cache.min_decode_room <= BUDGET
     protected = live & (((positions < prompt_length) & protect) | (positions >= t - window))
     candidates = live & ~protected
-    if REGISTRY[method].policy_class.__name__ == "TriAttention":
+    if REGISTRY[method].policy_class.__name__ == "TriAttentionWindow":
+        group = cache.shape.group_size
+        tri = zscored(triattention_reference(stats, geometry, keys, positions, t, group, options), candidates).amax(2)
+        tri = zscored(tri[:, :, None], candidates)[:, :, 0]
+        window = window_attention_reference(keys, positions, queries, query_positions, t, options["window_size"], group,
+                                            cache.policy.scaling)
+        window = zscored(window.clamp_min(1e-6).log()[:, :, None], candidates)[:, :, 0]
+        weight = options.get("window_weight", 0.25)  # the documented default
+        score = (1 - weight) * tri + weight * window
+    elif REGISTRY[method].policy_class.__name__ == "TriAttention":
         group = cache.shape.group_size
         raw = triattention_reference(stats, geometry, keys, positions, t, group, options)
         z = zscored(raw, candidates)
@@ -116,14 +155,18 @@ def _union(z, candidates, protected, live):
 
 
 METHODS = [name for name in REGISTRY if name.startswith("triattention")] + ["streaming", "knorm"]
+# windows that leave room for selection within the budget of 24
+SMALL_WINDOW = {"triattention-window": {"window_size": 6}, "triattention-recent": {"recent_window": 6}}
 
 
 @pytest.mark.parametrize("method", METHODS)
 def test_kept_sets_equal_an_independent_reference(method):
     model = tiny_model("qwen2", seed=2)  # q/k biases, GQA 2:1
     stats = tiny_stats(model)
-    options = dict(REGISTRY[method].preset)
-    cache = trikv.make_cache(model, method, budget=BUDGET, divide_length=SLACK, **({"stats": stats} if REGISTRY[method].needs_stats else {}))
+    extra = SMALL_WINDOW.get(method, {})
+    options = dict(REGISTRY[method].preset) | extra
+    cache = trikv.make_cache(model, method, budget=BUDGET, divide_length=SLACK, **extra,
+                             **({"stats": stats} if REGISTRY[method].needs_stats else {}))
     geometry = RopeGeometry.from_model(model)
     checked = []
     original = cache.compress
@@ -131,12 +174,15 @@ def test_kept_sets_equal_an_independent_reference(method):
     def compress():
         n = cache.length
         keys, positions = cache.store.keys[:, 0, :, :n].clone(), cache.store.positions[:, 0, :, :n].clone()
+        window = cache.query_window
+        queries = window.queries[:, 0].clone() if window is not None else None
+        query_positions = window.positions[0].clone() if window is not None else None
         t = int(cache.current_positions()[0])
         rounds = cache.rounds
         original()
         if cache.rounds == rounds:
             return
-        score = expected_scores(method, options, cache, stats, geometry, keys, positions, t, PROMPT)
+        score = expected_scores(method, options, cache, stats, geometry, keys, positions, t, PROMPT, queries, query_positions)
         cut = score.topk(BUDGET, dim=-1).values[..., -1:]
         after = cache.visible_positions()[:, 0]
         for layer in range(positions.shape[0]):

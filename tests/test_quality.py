@@ -140,6 +140,57 @@ def test_recall_matches_a_direct_computation(tiny, fidelity_task):
             assert result["by_horizon"][label]["recall_min_head"] == pytest.approx(min(shares[label]), abs=1e-4)
 
 
+def test_oracle_keeps_the_keys_that_receive_the_most_future_attention(tiny, fidelity_task):
+    """The oracle's selection against a direct loop: at each round, of the keys still held, the top-B by the
+    attention (summed over the group's heads and every later sampled query) that each receives; its recall is
+    the mass those keys receive, and it is at least that of a real method on the same schedule."""
+    model, _ = tiny
+    budget = 24
+    _, log = fidelity_task.run_method(make_cache(model, "snapkv-decode", budget=budget, divide_length=16))
+    rounds = sorted(log["round_times"])
+    assert len(rounds) >= 5
+    result = fidelity_task.recall({"snap": log}, oracles={"oracle": (rounds, budget)})
+    ref = fidelity_task.reference
+    L, Hq, Hkv = len(ref.keys), ref.queries[0].shape[1], ref.keys[0].shape[1]
+    G, T = Hq // Hkv, ref.keys[0].shape[2]
+    queries = ref.query_index.tolist()
+    for layer in (0, L - 1):
+        evict = fidelity_task.oracle_evictions(layer, rounds, budget)
+        for row in range(2):
+            for kv in range(Hkv):
+                probs = {}  # query position -> attention of every key, summed over the group
+                for qi, t in enumerate(queries):
+                    total = torch.zeros(T, dtype=torch.float64)
+                    for head in range(kv * G, (kv + 1) * G):
+                        logits = (ref.keys[layer][row, kv, : t + 1] @ ref.queries[layer][row, head, qi]) * ref.scaling
+                        total[: t + 1] += torch.softmax(logits, -1).double()
+                    probs[t] = total
+                held = set()
+                expected = [T] * T
+                next_key = 0
+                for time in rounds:
+                    held |= set(range(next_key, time))
+                    next_key = time
+                    if len(held) <= budget:
+                        continue
+                    future = {j: sum(float(p[j]) for t, p in probs.items() if t >= time) for j in held}
+                    ranked = sorted(held, key=lambda j: -future[j])
+                    cutoff = future[ranked[budget - 1]]
+                    # ties at the cut may go either way; everything strictly above it must stay
+                    for j in ranked[budget:]:
+                        assert future[j] <= cutoff + 1e-9
+                        if future[j] < cutoff - 1e-9:
+                            expected[j] = time
+                    dropped = {j for j in held if int(evict[row, kv, j]) == time}
+                    assert len(held) - len(dropped) == budget
+                    assert all(expected[j] == time for j in dropped if future[j] < cutoff - 1e-9)
+                    assert all(int(evict[row, kv, j]) == time for j in held if expected[j] == time)
+                    held -= dropped
+    oracle, snap = result["oracle"], result["snap"]
+    assert oracle["recall"] >= snap["recall"] - 1e-9
+    assert 0.0 < oracle["recall"] < 1.0
+
+
 def test_recall_by_horizon_single_head_value(tiny):
     """A one-layer, one-head model makes the by-horizon figure equal to the direct ratio."""
     model = tiny_model(num_hidden_layers=1, num_attention_heads=1, num_key_value_heads=1, hidden_size=32)
@@ -332,13 +383,18 @@ def test_quick_preset_end_to_end_and_resume(tmp_path, tokenizer):
     assert config.tasks == ["fidelity", "dfs", "needle"]
     out = tmp_path / "run"
     record = run_quality(config, out, model=model, tokenizer=tokenizer, stats=stats, progress=False, log=lambda *a: None)
-    for name in ("results.json", "results.csv", "fidelity.png", "recall.png", "dfs-tf.png", "needle.png", "tables.txt"):
+    for name in ("results.json", "results.csv", "fidelity.png", "recall.png", "recall-layers.png", "dfs-tf.png", "needle.png",
+                 "tables.txt"):
         assert (out / name).is_file(), name
     saved = json.loads((out / "results.json").read_text())
     assert saved["config"]["methods"] == config.methods and saved["model"]["sha256_parameters"]
     fidelity = saved["results"]["fidelity"]["methods"]
     assert fidelity["full"]["full"]["top1_agreement"] == 1.0
     assert set(fidelity["triattention"]) == {"40", "64"}
+    recall = saved["results"]["recall"]["methods"]
+    assert set(recall["oracle"]) == {"40", "64"}
+    for budget in ("40", "64"):  # the oracle runs on triattention's schedule and keeps at least as much as it
+        assert recall["oracle"][budget]["recall"] >= recall["triattention"][budget]["recall"] - 1e-9
     # a rerun resumes from the units (no recomputation) and reproduces every figure
     units = {p.name: p.stat().st_mtime_ns for p in (out / "units").iterdir() if p.name != "timings.json"}
     again = run_quality(config, out, model=model, tokenizer=tokenizer, stats=stats, progress=False, log=lambda *a: None)
@@ -350,9 +406,31 @@ def test_quick_preset_end_to_end_and_resume(tmp_path, tokenizer):
     page = write_report([out], tmp_path / "results.md")
     text = page.read_text()
     assert "Fidelity" in text and "Attention recall by horizon" in text and ".png" in text
+    assert "| oracle |" in text
     with pytest.raises(ValueError):
         other = config_from_preset("quick", text_tokens=300)
         run_quality(other, out, model=model, tokenizer=tokenizer, stats=stats, progress=False, log=lambda *a: None)
+
+
+def test_prompt_protection_is_one_setting_for_every_method(tmp_path, tokenizer):
+    """`--no-prompt-protection` reaches every cache the run makes (the needle task always lets the prompt compete)."""
+    from trikv.benchmarks.quality.cli import add_quality_arguments, config_from_args
+    from trikv.benchmarks.quality.runner import QualityRun
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_quality_arguments(parser)
+    model = tiny_model(vocab_size=len(tokenizer))
+    stats = tiny_stats(model)
+    for flags, expected in (([], True), (["--no-prompt-protection"], False)):
+        config = config_from_args(parser.parse_args(flags))
+        assert config.protect_prompt is expected
+        run = QualityRun(config, tmp_path / str(expected), model=model, tokenizer=tokenizer, stats=stats, progress=False)
+        for method in ("triattention", "snapkv", "h2o", "streaming"):
+            assert run.make_cache(method, 64).protect_prompt is expected
+            assert run.generation_options(method)["protect_prompt"] is expected
+        assert run.make_cache("snapkv", 64, protect_prompt=False).protect_prompt is False
+        assert "protect_prompt" not in run.generation_options("full")
 
 
 def test_fidelity_on_the_users_own_text_files(tmp_path, tokenizer):

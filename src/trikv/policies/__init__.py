@@ -25,6 +25,7 @@ from .triattention import TriAttention
 from .vatp import VATP
 from .tam import PAM, TAM, SelectorWindow
 from .hybrid import TriAttentionAM
+from .tri_window import TriAttentionWindow
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,10 @@ register("triattention-linear-offsets", TriAttention, "ablation: 17 linearly spa
 register("triattention-max-offsets", TriAttention, "ablation: max over offsets instead of the mean", offset_aggregation="max")
 register("triattention-shared-layers", TriAttention, "reference-harness mode: one selection per KV head shared by all layers", shared_across_layers=True)
 register("triattention-union", TriAttention, "reference global mode: union of every head's top-B, one token set for all layers and heads", union_selection=True)
+# beyond the paper: statistics for long horizons + the recent queries' attention for short ones
+register("triattention-window", TriAttentionWindow)
+register("triattention-recent", TriAttention, "triattention + the 32 most recent tokens protected (triattention-window's "
+         "window without its attention term)", recent_window=32)
 register("streaming", StreamingLLM)
 # decode-time versions on the same cache, budget, trigger and prompt protection
 register("h2o", H2O)

@@ -29,6 +29,8 @@ def add_quality_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--methods", type=_names, default=None, help="comma list of registered methods (`trikv methods`)")
     parser.add_argument("--budgets", type=_ints, default=None, help="comma list of budgets, e.g. 64,128,256,512")
     parser.add_argument("--divide-length", type=int, default=None, help="slack beta: compress at budget + beta (default 128)")
+    parser.add_argument("--no-prompt-protection", dest="protect_prompt", action="store_false", default=None,
+                        help="let the prompt's entries compete for the budget like any other (default: protected)")
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--out", default="bench-quality", help="result folder (resumes a run with the same arguments)")
     parser.add_argument("--fresh", action="store_true", help="recompute every unit instead of resuming")
@@ -66,7 +68,7 @@ def config_from_args(args):
         tasks = list(TASKS)
     return config_from_preset(
         args.preset, tasks=tasks, model=args.model, stats=args.stats, methods=args.methods, budgets=args.budgets,
-        divide_length=args.divide_length, seed=args.seed, texts=[] if args.text_file and args.texts is None else args.texts,
+        divide_length=args.divide_length, protect_prompt=args.protect_prompt, seed=args.seed, texts=[] if args.text_file and args.texts is None else args.texts,
         text_files=args.text_file, text_tokens=args.text_tokens,
         recall_stride=args.recall_stride, horizons=args.horizons, dfs_mode=args.dfs_mode, dfs_graphs=args.dfs_graphs,
         dfs_ks=args.dfs_ks, needle_lengths=args.needle_lengths, needle_depths=args.needle_depths,

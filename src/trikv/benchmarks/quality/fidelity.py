@@ -161,12 +161,63 @@ class FidelityTask:
         result.update(forwards=len(feeder.log.spans), rounds=evictions["rounds"], peak_entries=evictions["peak_entries"])
         return result, evictions
 
+    def _probs_blocks(self, layer: int, block: int):
+        """(query positions [n], causal attention probabilities [b, Hkv, G, n, T]) of the sampled queries, by block."""
+        ref = self.reference
+        K = ref.keys[layer]  # [b, Hkv, T, D]
+        b, Hkv, T = K.shape[:3]
+        Hq = ref.queries[layer].shape[1]
+        G = Hq // Hkv
+        keys_index = torch.arange(T)
+        for s in range(0, len(ref.query_index), block):
+            qpos = ref.query_index[s : s + block]
+            n = len(qpos)
+            Q = ref.queries[layer][:, :, s : s + block]  # [b, Hq, n, D]
+            logits = torch.matmul(Q.reshape(b, Hkv, G * n, -1), K.transpose(-1, -2)) * ref.scaling
+            logits = logits.view(b, Hkv, G, n, T)
+            causal = keys_index[None, :] <= qpos[:, None]  # [n, T]
+            yield qpos, torch.softmax(logits.masked_fill(~causal, float("-inf")), dim=-1)
+
+    def oracle_evictions(self, layer: int, round_times: list[int], budget: int, block: int = 256) -> torch.Tensor:
+        """[b, Hkv, T] eviction times of the oracle on `layer`: at each round it keeps, of the keys it still
+        holds, the `budget` that receive the most attention (summed over the group's query heads) from the
+        sampled queries still to come; the keys it drops are gone for every later query, as in a real cache.
+        An upper reference for a selection made on the same schedule, not a bound on every schedule."""
+        ref = self.reference
+        b, Hkv, T = ref.keys[layer].shape[:3]
+        rounds = torch.tensor(sorted(round_times), dtype=torch.long)
+        # attention mass each key receives from the queries between consecutive rounds
+        mass = torch.zeros(b, Hkv, len(rounds) + 1, T, dtype=torch.float64)  # [b, Hkv, segment, T]
+        for qpos, probs in self._probs_blocks(layer, block):
+            segment = torch.searchsorted(rounds, qpos, right=True)  # rounds already run before query q
+            mass.index_add_(2, segment, probs.sum(2).double())
+        future = mass.flip(2).cumsum(2).flip(2)  # [b, Hkv, segment, T]: mass from queries at or after the segment
+        evict = torch.full((b, Hkv, T), T, dtype=torch.int32)
+        keys_index = torch.arange(T)
+        for index, time in enumerate(rounds.tolist()):
+            held = (evict == T) & (keys_index < time)  # [b, Hkv, T]
+            if int(held.sum(-1).max()) <= budget:
+                continue
+            ranked = future[:, :, index + 1].masked_fill(~held, -1.0)
+            kept = torch.zeros_like(held)
+            kept.scatter_(-1, ranked.topk(budget, dim=-1).indices, True)
+            evict[held & ~kept] = time
+        return evict
+
     @torch.no_grad()
-    def recall(self, logs: dict, block: int = 256) -> dict:
-        """Attention recall for every eviction log in `logs` ({key: log from run_method}); one pass over layers."""
+    def recall(self, logs: dict, block: int = 256, oracles: dict | None = None) -> dict:
+        """Attention recall for every eviction log in `logs` ({key: log from run_method}); one pass over layers.
+
+        oracles: {key: (round_times, budget)}: also the recall of the oracle selection on that schedule
+        (`oracle_evictions`), computed layer by layer (a second pass over the layer's queries).
+        """
         ref = self.reference
         if ref is None or ref.queries is None:
             raise RuntimeError("the reference pass was run without recall capture")
+        oracles = oracles or {}
+        logs = dict(logs)
+        for key, (round_times, _) in oracles.items():
+            logs[key] = {"round_times": list(round_times), "evict_time": None}
         edges = torch.tensor(self.horizons, dtype=torch.long)
         nb = len(self.horizons) + 1
         labels = horizon_labels(self.horizons)
@@ -188,17 +239,13 @@ class FidelityTask:
                 "h_mass": torch.zeros(L, Hq, nb, dtype=torch.float64),
                 "h_kept": torch.zeros(L, Hq, nb, dtype=torch.float64),
             }
-        qpos_all = ref.query_index
         for layer in range(L):
-            K = ref.keys[layer]  # [b, Hkv, T, D]
-            for s in range(0, len(qpos_all), block):
-                qpos = qpos_all[s : s + block]
+            for key, (round_times, budget) in oracles.items():
+                if logs[key]["evict_time"] is None:
+                    logs[key]["evict_time"] = torch.full((L, b, Hkv, T), T, dtype=torch.int32)
+                logs[key]["evict_time"][layer] = self.oracle_evictions(layer, round_times, budget, block)
+            for qpos, probs in self._probs_blocks(layer, block):
                 n = len(qpos)
-                Q = ref.queries[layer][:, :, s : s + block]  # [b, Hq, n, D]
-                logits = torch.matmul(Q.reshape(b, Hkv, G * n, -1), K.transpose(-1, -2)) * ref.scaling
-                logits = logits.view(b, Hkv, G, n, T)
-                causal = keys_index[None, :] <= qpos[:, None]  # [n, T]
-                probs = torch.softmax(logits.masked_fill(~causal, float("-inf")), dim=-1)
                 for key, log in logs.items():
                     a = acc[key]
                     evict = log["evict_time"][layer].long()  # [b, Hkv, T]

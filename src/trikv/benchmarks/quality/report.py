@@ -73,19 +73,23 @@ def sections(record: dict, markdown: bool) -> list[tuple[str, str]]:
     if "fidelity" in results:
         table = results["fidelity"]["methods"]
         meta = results["fidelity"]["meta"]
-        note = f"{len(meta['texts'])} texts x {meta['tokens_per_text']} tokens ({', '.join(meta['texts'])}), prompt {meta['prompt_tokens']} tokens"
+        note = f"{len(meta['texts'])} texts x {meta['tokens_per_text']} tokens ({', '.join(meta['texts'])}), prompt {meta['prompt_tokens']} tokens" + (
+            "" if record["config"].get("protect_prompt", True) else " (not protected)")
         for title, key, digits in (("top-1 agreement with full attention", "top1_agreement", 3),
                                    ("mean KL(full || method), nats", "kl", 4), ("perplexity of the true next token", "perplexity", 2)):
             headers, rows = _grid(record, table, lambda c, k=key: c[k])
             out.append((f"Fidelity: {title} ({note})", render(headers, rows, markdown)))
     if "recall" in results:
         table = results["recall"]["methods"]
-        headers, rows = _grid(record, table, lambda c: f"{_fmt(c['recall'])} ({_fmt(c['recall_min_head'])})")
-        out.append(("Attention recall: mean over (layer, head) (minimum head in brackets)", render(headers, rows, markdown)))
+        # the oracle: the top-B keys by the attention they receive later, on triattention's schedule
+        methods = _methods(record) + (["oracle"] if "oracle" in table else [])
+        headers, rows = _grid(record, table, lambda c: f"{_fmt(c['recall'])} ({_fmt(c['recall_min_head'])})", methods)
+        out.append(("Attention recall: mean over (layer, head) (minimum head in brackets); oracle = the top-B keys "
+                    "by the attention they receive later", render(headers, rows, markdown)))
         labels = _horizon_labels(record)
         for budget in _budgets(record):
             rows = []
-            for method in _methods(record):
+            for method in methods:
                 if method == "full":
                     continue
                 cell = _cell(table, method, budget)
@@ -294,6 +298,10 @@ def plot_run(record: dict, out: Path) -> list[Path]:
                 specs.append((results["math"][dataset], lambda c: c["pass@1"], "pass@1", f"{dataset} pass@1", False))
         if specs:
             panels.append(("math", specs))
+    if "recall" in results:
+        path = _plot_recall_by_layer(record, Path(out), plt)
+        if path is not None:
+            written.append(path)
     for name, specs in panels:
         cols = min(3, len(specs))
         rows = math.ceil(len(specs) / cols)
@@ -311,6 +319,35 @@ def plot_run(record: dict, out: Path) -> list[Path]:
         plt.close(fig)
         written.append(path)
     return written
+
+
+def _plot_recall_by_layer(record: dict, out: Path, plt) -> Path | None:
+    """recall-layers.png: attention recall of every layer (mean over its query heads), one panel per budget,
+    one line per method and the oracle: where in depth each method loses the attention mass."""
+    table = record["results"]["recall"]["methods"]
+    methods = [m for m in _methods(record) if m != "full"] + (["oracle"] if "oracle" in table else [])
+    budgets = [b for b in _budgets(record) if any((_cell(table, m, b) or {}).get("recall_per_layer") for m in methods)]
+    if not budgets:
+        return None
+    fig, axes = plt.subplots(1, len(budgets), figsize=(4.6 * len(budgets), 3.6), squeeze=False)
+    for ax, budget in zip(axes.flat, budgets):
+        for method in methods:
+            cell = _cell(table, method, budget) or {}
+            per_layer = cell.get("recall_per_layer")
+            if per_layer:
+                style = dict(linestyle="--", color="black") if method == "oracle" else dict(marker=".")
+                ax.plot(range(len(per_layer)), per_layer, label=method, **style)
+        ax.set_xlabel("layer")
+        ax.set_ylabel("recall (mean over heads)")
+        ax.set_title(f"budget {budget}", fontsize=10)
+        ax.grid(alpha=0.3)
+    axes.flat[0].legend(fontsize=7)
+    fig.suptitle(f"{record['model']['name']}: attention recall by layer", fontsize=11)
+    fig.tight_layout()
+    path = out / "recall-layers.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 # ---- the Markdown page -------------------------------------------------------------------------------
@@ -347,7 +384,7 @@ def write_report(folders: list[str | Path], out: str | Path, title: str = "trikv
         record = load_run(folder)
         config = record["config"]
         name = Path(folder).resolve().name
-        lines += [f"## Run `{name}`", ""]
+        lines += [f"## {record['model']['name']}: run `{name}`", ""]
         lines += [
             f"- model: `{record['model']['name']}` (parameters sha256 `{record['model']['sha256_parameters'][:16]}`), "
             f"stats: {('`' + Path(record['stats']['path']).name + '` sha256 `' + record['stats']['sha256'][:16] + '`') if record.get('stats') and record['stats'].get('sha256') else 'n/a'}",

@@ -33,6 +33,8 @@ class QualityConfig:
     methods: list[str] = field(default_factory=lambda: ["full", "triattention", "snapkv", "streaming"])
     budgets: list[int] = field(default_factory=lambda: [64, 128, 256, 512])
     divide_length: int = 128
+    # the prompt's entries are never evicted (while they leave room); the needle task always lets them compete
+    protect_prompt: bool = True
     seed: int = 0
     max_chunk: int = 128
     # fidelity + recall
@@ -239,11 +241,17 @@ class QualityRun:
 
         return {"stats": self.stats} if REGISTRY[method].needs_stats else {}
 
-    def make_cache(self, method: str, budget: int | None, protect_prompt: bool = True):
+    def generation_options(self, method: str) -> dict:
+        """Options of `generate()` for `method`: its statistics and the run's prompt protection."""
+        protection = {} if method == "full" else {"protect_prompt": self.config.protect_prompt}
+        return self.method_options(method) | protection
+
+    def make_cache(self, method: str, budget: int | None, protect_prompt: bool | None = None):
         from ...cache import make_cache
 
+        protect = self.config.protect_prompt if protect_prompt is None else protect_prompt
         return make_cache(self.model, method, budget=budget, divide_length=self.config.divide_length,
-                          protect_prompt=protect_prompt, **self.method_options(method))
+                          protect_prompt=protect, **self.method_options(method))
 
     def cells(self) -> list[tuple[str, int | None]]:
         cells = [("full", None)] if "full" in self.config.methods else []  # first: others may reuse its records
@@ -315,9 +323,10 @@ class QualityRun:
         todo = [cell for cell in cells if self.units.get("fidelity", *cell) is None
                 or (cell in recall_todo and self.units.get_tensor("fidelity", *cell) is None)]
         fidelity, recall = {}, {}
-        if todo or recall_todo or self.units.get("fidelity", "full", None) is None:
+        oracle_todo = bool(self._oracle_schedules())  # an earlier run wrote every method but not the oracle
+        if todo or recall_todo or oracle_todo or self.units.get("fidelity", "full", None) is None:
             bar = self._bar(ids.numel(), "reference (full attention)")
-            self._timed("reference", lambda: task.run_reference(progress=bar.update, recall=bool(recall_todo)))
+            self._timed("reference", lambda: task.run_reference(progress=bar.update, recall=bool(recall_todo or oracle_todo)))
             bar.close()
             full = self._full_fidelity(task)
             self.units.put("fidelity", "full", None, full)
@@ -328,14 +337,16 @@ class QualityRun:
             metrics, log = self._timed(f"fidelity/{method}/{budget}", lambda: task.run_method(self.make_cache(method, budget), progress=bar.update))
             bar.close()
             metrics["seconds"] = self.unit_seconds[f"fidelity/{method}/{budget}"]
+            metrics["round_times"] = list(log["round_times"])
             self.units.put_tensor("fidelity", method, budget, {"evict_time": log["evict_time"], "round_times": log["round_times"]})
             self.units.put("fidelity", method, budget, metrics)
             self.log(f"  fidelity {method:>14} B={budget:<5} agreement {metrics['top1_agreement']:.3f}  KL {metrics['kl']:.4f}  "
                      f"ppl {metrics['perplexity']:.2f} (full {metrics['perplexity_full']:.2f})  {metrics['seconds']:.0f} s")
-        if recall_todo:
+        oracles = self._oracle_schedules()
+        if recall_todo or oracles:
             logs = {cell: self.units.get_tensor("fidelity", *cell) for cell in recall_todo}
             started = time.perf_counter()
-            values = task.recall(logs)
+            values = task.recall(logs, oracles=oracles)
             self.unit_seconds["recall"] = time.perf_counter() - started
             for cell, value in values.items():
                 self.units.put("recall", *cell, value)
@@ -343,8 +354,29 @@ class QualityRun:
         for method, budget in self.cells():
             fidelity.setdefault(method, {})[budget_key(method, budget)] = self.units.get("fidelity", method, budget)
             recall.setdefault(method, {})[budget_key(method, budget)] = self.units.get("recall", method, budget)
+        for budget in c.budgets:
+            oracle = self.units.get("recall", "oracle", budget)
+            if oracle is not None:
+                recall.setdefault("oracle", {})[str(budget)] = oracle
         meta = {"texts": names, "tokens_per_text": c.text_tokens, "prompt_tokens": c.prompt_tokens}
         return {"fidelity": {"meta": meta, "methods": fidelity}, "recall": {"meta": meta | {"horizons": c.horizons, "query_stride": c.recall_stride}, "methods": recall}}
+
+    def _oracle_schedules(self) -> dict:
+        """{("oracle", budget): (round_times, budget)} for budgets whose oracle recall is not written yet.
+
+        The oracle follows the compression schedule of triattention at that budget (every method on the
+        shared trigger has the same one), else of the first method that has a recorded schedule."""
+        schedules = {}
+        for budget in self.config.budgets:
+            if self.units.get("recall", "oracle", budget) is not None:
+                continue
+            order = sorted((m for m in self.config.methods if m != "full"), key=lambda m: m != "triattention")
+            for method in order:
+                unit = self.units.get("fidelity", method, budget)
+                if unit is not None and unit.get("round_times"):
+                    schedules[("oracle", budget)] = (unit["round_times"], budget)
+                    break
+        return schedules
 
     def _full_fidelity(self, task) -> dict:
         from .fidelity import FidelityAccumulator
@@ -382,7 +414,7 @@ class QualityRun:
                         bar.close()
                     else:
                         records = self._timed(f"{task}/{method}/{budget}", lambda: dfs.run_generative(
-                            self.model, self.tokenizer, method, budget, self.method_options(method), graphs, c.dfs_ks,
+                            self.model, self.tokenizer, method, budget, self.generation_options(method), graphs, c.dfs_ks,
                             divide_length=c.divide_length))
                     unit = {"summary": dfs.summarise(records), "records": records,
                             "seconds": self.unit_seconds[f"{task}/{method}/{budget}"]}
@@ -431,7 +463,7 @@ class QualityRun:
                 unit = self.units.get(name, method, budget)
                 if unit is None:
                     records = self._timed(f"{name}/{method}/{budget}", lambda: math_task.run_math(
-                        self.model, self.tokenizer, method, budget, self.method_options(method), problems, c.math_samples,
+                        self.model, self.tokenizer, method, budget, self.generation_options(method), problems, c.math_samples,
                         c.math_max_new_tokens, c.seed, divide_length=c.divide_length))
                     unit = {"summary": math_task.summarise(records), "records": records,
                             "seconds": self.unit_seconds[f"{name}/{method}/{budget}"]}

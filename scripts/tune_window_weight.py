@@ -1,0 +1,76 @@
+"""Choose triattention-window's blend weight on calibration text only.
+
+`triattention-window` blends TriAttention's z-scored score with the z-scored log attention of the last 32
+queries. Its weight is chosen here by teacher-forced KL(full || compressed), averaged over budgets, on the
+bundled model's own calibration text (the MATH-500 traces its statistics come from), which no benchmark
+evaluates. Writes the sweep to src/trikv/data/calibration/triattention-window-weight.json (the default in
+policies/tri_window.py cites it).
+
+    python scripts/tune_window_weight.py [--tokens 2048] [--budgets 64,128,256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+import trikv
+from trikv.benchmarks.quality.fidelity import FidelityTask
+
+ROOT = Path(__file__).resolve().parents[1]
+TEXT = ROOT / "src/trikv/data/calibration/smollm2-135m-math500-traces.txt"
+OUT = ROOT / "src/trikv/data/calibration/triattention-window-weight.json"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--prompt", type=int, default=32)
+    parser.add_argument("--budgets", default="64,128,256")
+    parser.add_argument("--divide-length", type=int, default=128)
+    parser.add_argument("--weights", default="0,0.125,0.25,0.5,0.75,1")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    model, tokenizer = trikv.load_model("smollm2-135m")
+    stats = trikv.load_stats("smollm2-135m", model)
+    ids = tokenizer(TEXT.read_text(encoding="utf-8"), return_tensors="pt").input_ids[:, : args.tokens]
+    task = FidelityTask(model, ids, prompt_length=args.prompt, max_chunk=128, recall_stride=8)
+    task.run_reference(recall=False)
+    budgets = [int(b) for b in args.budgets.split(",")]
+    started = time.perf_counter()
+
+    def measure(method: str, **options) -> dict:
+        rows = {}
+        for budget in budgets:
+            cache = trikv.make_cache(model, method, budget=budget, divide_length=args.divide_length, stats=stats, **options)
+            metrics, _ = task.run_method(cache)
+            rows[str(budget)] = {"kl": metrics["kl"], "top1_agreement": metrics["top1_agreement"]}
+        mean_kl = sum(row["kl"] for row in rows.values()) / len(rows)
+        return {"by_budget": rows, "mean_kl": mean_kl}
+
+    baseline = measure("triattention")
+    sweep = []
+    for weight in [float(w) for w in args.weights.split(",")]:
+        result = measure("triattention-window", window_weight=weight)
+        sweep.append({"window_weight": weight, **result})
+        print(f"window_weight {weight:g}: mean KL {result['mean_kl']:.4f}", flush=True)
+    best = min(sweep, key=lambda row: row["mean_kl"])
+    record = {
+        "command": f"python scripts/tune_window_weight.py --tokens {args.tokens} --budgets {args.budgets} "
+                   f"--divide-length {args.divide_length} --weights {args.weights}",
+        "text": f"{TEXT.name}, first {ids.shape[1]} tokens (prompt {args.prompt}); the bundled statistics' calibration text",
+        "budgets": budgets, "divide_length": args.divide_length,
+        "triattention": baseline, "sweep": sweep, "best": {"window_weight": best["window_weight"], "mean_kl": best["mean_kl"]},
+        "seconds": time.perf_counter() - started,
+    }
+    OUT.write_text(json.dumps(record, indent=2) + "\n")
+    print(json.dumps(record["best"]))
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(int(__import__("os").environ.get("TRIKV_THREADS", "1")))
+    main()
