@@ -126,3 +126,30 @@ def test_stats_round_trip(tmp_path):
 def test_model_shape_of_families():
     shape = model_shape(tiny_model("qwen3"))
     assert (shape.num_layers, shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.layout) == (3, 4, 2, 16, "half")
+
+
+# the shapes the registry states for each model with shipped statistics (layers, query heads, KV heads, head_dim)
+SHIPPED = {"smollm2-135m": (30, 9, 3, 64), "qwen2.5-coder-0.5b": (24, 14, 2, 64), "qwen2.5-coder-1.5b": (28, 12, 2, 128)}
+
+
+@pytest.mark.parametrize("name", sorted(SHIPPED))
+def test_shipped_statistics_fit_their_model_and_exclude_their_calibration_rows(name):
+    """Each shipped stats file loads offline, has its model's shape, and was calibrated on the model's own MATH-500
+    traces whose rows every math evaluation skips (so no benchmark scores the text the statistics came from)."""
+    import json
+
+    from trikv.benchmarks.quality.math_task import CALIBRATION_DIR, load_problems, reserved_rows
+    from trikv.calibration import bundled_stats_path
+
+    stats = QueryStats.load(bundled_stats_path(name))
+    layers, heads, kv_heads, head_dim = SHIPPED[name]
+    meta = stats.metadata
+    assert (meta["num_layers"], meta["num_heads"], meta["num_kv_heads"], meta["head_dim"]) == SHIPPED[name]
+    assert stats.q_mean.shape == (layers, heads, head_dim // 2) and meta["model_name"] == name
+    provenance = json.loads((CALIBRATION_DIR / f"{name}-math500-traces.json").read_text())
+    assert provenance["model"] == name and provenance["tokens"] >= 4000
+    first, last = provenance["math500_rows"]
+    assert f"rows {first}-{last}" in meta["calibration_source"] or f"{first}-{last}" in provenance["problems"]
+    assert set(range(first, last + 1)) <= reserved_rows("math500")
+    evaluated = {int(p["id"].split("-")[1]) for p in load_problems("math500")}
+    assert not evaluated & set(range(first, last + 1))

@@ -191,6 +191,14 @@ def test_oracle_keeps_the_keys_that_receive_the_most_future_attention(tiny, fide
     assert 0.0 < oracle["recall"] < 1.0
 
 
+def test_diagnosis_rank_correlation():
+    from trikv.benchmarks.quality.report import _spearman
+
+    assert _spearman([0.1, 0.5, 0.9], [3.0, 2.0, 1.0]) == pytest.approx(-1.0)
+    assert _spearman([0.1, 0.5, 0.9, 0.7], [1.0, 2.0, 4.0, 3.0]) == pytest.approx(1.0)
+    assert _spearman([1.0, 2.0, 3.0, 4.0], [1.0, 3.0, 2.0, 4.0]) == pytest.approx(0.8)
+
+
 def test_recall_by_horizon_single_head_value(tiny):
     """A one-layer, one-head model makes the by-horizon figure equal to the direct ratio."""
     model = tiny_model(num_hidden_layers=1, num_attention_heads=1, num_key_value_heads=1, hidden_size=32)
@@ -407,6 +415,7 @@ def test_quick_preset_end_to_end_and_resume(tmp_path, tokenizer):
     text = page.read_text()
     assert "Fidelity" in text and "Attention recall by horizon" in text and ".png" in text
     assert "| oracle |" in text
+    assert "Diagnosis" in text and "vs oracle" in text and "rank correlation of recall with -KL" in text
     with pytest.raises(ValueError):
         other = config_from_preset("quick", text_tokens=300)
         run_quality(other, out, model=model, tokenizer=tokenizer, stats=stats, progress=False, log=lambda *a: None)
@@ -431,6 +440,21 @@ def test_prompt_protection_is_one_setting_for_every_method(tmp_path, tokenizer):
             assert run.generation_options(method)["protect_prompt"] is expected
         assert run.make_cache("snapkv", 64, protect_prompt=False).protect_prompt is False
         assert "protect_prompt" not in run.generation_options("full")
+
+
+def test_dfs_graph_sizes_from_the_command_line():
+    import argparse
+
+    from trikv.benchmarks.quality.cli import add_quality_arguments, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_quality_arguments(parser)
+    config = config_from_args(parser.parse_args(["--dfs-nodes", "8,16"]))
+    assert (config.dfs_min_nodes, config.dfs_max_nodes) == (8, 16)
+    assert (config_from_args(parser.parse_args([])).dfs_min_nodes, config_from_args(parser.parse_args([])).dfs_max_nodes) == (10, 30)
+    for bad in ("9", "16,8", "2,5"):
+        with pytest.raises(ValueError, match="--dfs-nodes takes MIN,MAX"):
+            config_from_args(parser.parse_args(["--dfs-nodes", bad]))
 
 
 def test_fidelity_on_the_users_own_text_files(tmp_path, tokenizer):

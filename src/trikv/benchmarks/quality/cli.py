@@ -48,6 +48,8 @@ def add_quality_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--dfs-mode", default=None, choices=["teacher-forced", "generative", "both"])
     group.add_argument("--dfs-graphs", type=int, default=None)
     group.add_argument("--dfs-ks", type=_ints, default=None, help="steps k to query, e.g. 4,8,16,32")
+    group.add_argument("--dfs-nodes", type=_ints, default=None, metavar="MIN,MAX",
+                       help="graph sizes drawn from MIN..MAX nodes (default 10,30)")
     group = parser.add_argument_group("needle")
     group.add_argument("--needle-lengths", type=_ints, default=None)
     group.add_argument("--needle-depths", type=_floats, default=None, help="0..1, e.g. 0,0.25,0.5,0.75,1")
@@ -58,6 +60,14 @@ def add_quality_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-new-tokens", type=int, default=None)
     parser.add_argument("--no-progress", action="store_true")
     parser.set_defaults(func=quality_main)
+
+
+def _node_range(values: list[int] | None) -> tuple[int | None, int | None]:
+    if values is None:
+        return None, None
+    if len(values) != 2 or not 3 <= values[0] <= values[1]:
+        raise ValueError(f"--dfs-nodes takes MIN,MAX with 3 <= MIN <= MAX, got {values}")
+    return values[0], values[1]
 
 
 def config_from_args(args):
@@ -71,7 +81,7 @@ def config_from_args(args):
         divide_length=args.divide_length, protect_prompt=args.protect_prompt, seed=args.seed, texts=[] if args.text_file and args.texts is None else args.texts,
         text_files=args.text_file, text_tokens=args.text_tokens,
         recall_stride=args.recall_stride, horizons=args.horizons, dfs_mode=args.dfs_mode, dfs_graphs=args.dfs_graphs,
-        dfs_ks=args.dfs_ks, needle_lengths=args.needle_lengths, needle_depths=args.needle_depths,
+        dfs_ks=args.dfs_ks, dfs_min_nodes=_node_range(args.dfs_nodes)[0], dfs_max_nodes=_node_range(args.dfs_nodes)[1], needle_lengths=args.needle_lengths, needle_depths=args.needle_depths,
         math_datasets=args.math_datasets, math_limit=args.limit, math_samples=args.samples,
         math_max_new_tokens=args.max_new_tokens,
     )

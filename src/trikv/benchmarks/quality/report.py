@@ -100,6 +100,11 @@ def sections(record: dict, markdown: bool) -> list[tuple[str, str]]:
             rows.append(["(share of mass)"] + [_fmt(m) for m in mass])
             out.append((f"Attention recall by horizon (tokens since the key was first judged), budget {budget}",
                         render(["method"] + labels, rows, markdown)))
+    if "fidelity" in results and "recall" in results:
+        findings = diagnosis(record)
+        if findings:
+            out.append(("Diagnosis: why attention recall and fidelity can disagree (computed from the tables above)",
+                        "\n".join(f"- {line}" for line in findings)))
     if "dfs" in results:
         dfs = results["dfs"]
         for task, title in (("dfs-tf", "teacher-forced"), ("dfs-gen", "generative")):
@@ -156,6 +161,69 @@ def sections(record: dict, markdown: bool) -> list[tuple[str, str]]:
             out.append((f"Math {dataset}: pass@1 ({n} problems, {math_results['meta']['samples']} samples, "
                         f"T 0.6, top-p 0.95, {math_results['meta']['max_new_tokens']} new tokens{held_out})", render(headers, rows, markdown)))
     return out
+
+
+def _ranks(values: list[float]) -> list[float]:
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    ranks = [0.0] * len(values)
+    for rank, i in enumerate(order):
+        ranks[i] = float(rank)
+    return ranks
+
+
+def _spearman(a: list[float], b: list[float]) -> float:
+    ra, rb = _ranks(a), _ranks(b)
+    n = len(a)
+    mean = (n - 1) / 2
+    cov = sum((x - mean) * (y - mean) for x, y in zip(ra, rb))
+    var = sum((x - mean) ** 2 for x in ra)
+    return cov / var if var else float("nan")
+
+
+def diagnosis(record: dict, method: str = "triattention") -> list[str]:
+    """Findings, each computed from the run's own figures: does ranking by recall rank methods as KL does, where
+    (by horizon and layer) `method` loses the attention mass the oracle keeps, and what a protected recent
+    window and the window-attention term change. Lines only for what the run measured."""
+    fidelity, recall = record["results"]["fidelity"]["methods"], record["results"]["recall"]["methods"]
+    labels = _horizon_labels(record)
+    lines = []
+    for budget in _budgets(record):
+        rows = [(m, _cell(fidelity, m, budget), _cell(recall, m, budget)) for m in _methods(record) if m != "full"]
+        rows = [(m, f, r) for m, f, r in rows if f and r]
+        if len(rows) >= 3:
+            rho = _spearman([r["recall"] for _, _, r in rows], [-f["kl"] for _, f, _ in rows])
+            best_recall = max(rows, key=lambda row: row[2]["recall"])[0]
+            best_kl = min(rows, key=lambda row: row[1]["kl"])[0]
+            lines.append(f"B={budget}: rank correlation of recall with -KL over {len(rows)} methods {rho:+.2f}; "
+                         f"highest recall `{best_recall}`, lowest KL `{best_kl}`.")
+        own, oracle = _cell(recall, method, budget), _cell(recall, "oracle", budget)
+        if own and oracle and own.get("by_horizon") and oracle.get("by_horizon"):
+            missing = {}
+            for label in labels:
+                mine, best = own["by_horizon"].get(label), oracle["by_horizon"].get(label)
+                if mine and best:
+                    missing[label] = max(0.0, best["recall"] - mine["recall"]) * mine["mass_share"]
+            total = sum(missing.values())
+            if total > 0:
+                worst = max(missing, key=missing.get)
+                lines.append(f"B={budget}: `{method}` recall {own['recall']:.3f} vs oracle {oracle['recall']:.3f}; "
+                             f"{100 * missing[worst] / total:.0f}% of the mass it misses (vs the oracle, weighted by each "
+                             f"horizon's share of attention) is at horizon {worst}: "
+                             + ", ".join(f"{label} {100 * value / total:.0f}%" for label, value in missing.items()) + ".")
+        if own and oracle and own.get("recall_per_layer") and oracle.get("recall_per_layer"):
+            gaps = [b - a for a, b in zip(own["recall_per_layer"], oracle["recall_per_layer"])]
+            worst_layer = max(range(len(gaps)), key=gaps.__getitem__)
+            lowest = min(range(len(gaps)), key=lambda i: oracle["recall_per_layer"][i])
+            lines.append(f"B={budget}: largest gap to the oracle at layer {worst_layer} ({own['recall_per_layer'][worst_layer]:.3f} "
+                         f"vs {oracle['recall_per_layer'][worst_layer]:.3f}); the oracle's own lowest layer is {lowest} "
+                         f"({oracle['recall_per_layer'][lowest]:.3f}): there the budget, not the ranking, limits recall.")
+        for variant, base, what in ((f"{method}-recent", method, "protecting the 32 most recent tokens"),
+                                    (f"{method}-window", f"{method}-recent", "adding the window-attention term")):
+            a, b = _cell(fidelity, base, budget), _cell(fidelity, variant, budget)
+            if a and b:
+                lines.append(f"B={budget}: {what} (`{base}` -> `{variant}`): KL {a['kl']:.4f} -> {b['kl']:.4f}, "
+                             f"top-1 {a['top1_agreement']:.3f} -> {b['top1_agreement']:.3f}.")
+    return lines
 
 
 def _horizon_labels(record: dict) -> list[str]:
