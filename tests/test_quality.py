@@ -547,6 +547,14 @@ def test_math_task_smoke(tokenizer):
     model = tiny_model(vocab_size=len(tokenizer))
     records = math_task.run_math(model, tokenizer, "streaming", 32, {}, problems[:1], samples=2, max_new_tokens=4, seed=0)
     assert len(records) == 2 and {r["sample"] for r in records} == {0, 1}
+    lean = math_task.run_math(model, tokenizer, "streaming", 32, {}, problems[:1], samples=2, max_new_tokens=4, seed=0,
+                              engine="lean")
+    assert [r["tokens"] for r in lean] == [r["tokens"] for r in records]
+    from trikv.benchmarks.quality.runner import config_from_preset
+
+    assert config_from_preset("quick").math_engine == "lean"
+    with pytest.raises(ValueError, match="math_engine must be"):
+        config_from_preset("quick", math_engine="vllm")
     fake = [{"id": "a", "correct": True, "tokens": 3}, {"id": "a", "correct": False, "tokens": 5},
             {"id": "b", "correct": True, "tokens": 4}, {"id": "b", "correct": True, "tokens": 4}]
     assert math_task.summarise(fake)["pass@1"] == pytest.approx(0.75)

@@ -58,6 +58,8 @@ def add_quality_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--limit", type=int, default=None, help="first N problems of each dataset")
     group.add_argument("--samples", type=int, default=None, help="samples per problem (pass@1 = their mean)")
     group.add_argument("--max-new-tokens", type=int, default=None)
+    group.add_argument("--math-engine", default=None, choices=["lean", "transformers"],
+                       help="decode loop of the math generations (default lean: same tokens, faster)")
     parser.add_argument("--no-progress", action="store_true")
     parser.set_defaults(func=quality_main)
 
@@ -83,7 +85,7 @@ def config_from_args(args):
         recall_stride=args.recall_stride, horizons=args.horizons, dfs_mode=args.dfs_mode, dfs_graphs=args.dfs_graphs,
         dfs_ks=args.dfs_ks, dfs_min_nodes=_node_range(args.dfs_nodes)[0], dfs_max_nodes=_node_range(args.dfs_nodes)[1], needle_lengths=args.needle_lengths, needle_depths=args.needle_depths,
         math_datasets=args.math_datasets, math_limit=args.limit, math_samples=args.samples,
-        math_max_new_tokens=args.max_new_tokens,
+        math_max_new_tokens=args.max_new_tokens, math_engine=args.math_engine,
     )
 
 

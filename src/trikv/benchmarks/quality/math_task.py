@@ -57,7 +57,7 @@ def load_problems(name: str, limit: int | None = None) -> list[dict]:
 
 def run_math(model, tokenizer, method: str, budget: int | None, method_options: dict, problems: list[dict], samples: int,
              max_new_tokens: int, seed: int, temperature: float = 0.6, top_p: float = 0.95, divide_length: int = 128,
-             chat: bool = True, timeout: float = 3.0, progress=None) -> list[dict]:
+             chat: bool = True, timeout: float = 3.0, progress=None, engine: str = "transformers") -> list[dict]:
     """Sample `samples` answers per problem (one batch per problem) and grade them."""
     from ...generation import generate
 
@@ -66,7 +66,7 @@ def run_math(model, tokenizer, method: str, budget: int | None, method_options: 
         result = generate(
             model, tokenizer, [problem["prompt"]] * samples, method=method, budget=budget, max_new_tokens=max_new_tokens,
             do_sample=True, temperature=temperature, top_p=top_p, seed=seed + index, chat=chat,
-            divide_length=divide_length, **method_options,
+            divide_length=divide_length, engine=engine, **method_options,
         )
         for sample, text in enumerate(result.texts):
             predicted = extract_answer(text)

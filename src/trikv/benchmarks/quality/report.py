@@ -159,7 +159,8 @@ def sections(record: dict, markdown: bool) -> list[tuple[str, str]]:
             held_out = (f", rows {excluded[0]}-{excluded[-1]} excluded: the shipped statistics were calibrated on them"
                         if excluded else "")
             out.append((f"Math {dataset}: pass@1 ({n} problems, {math_results['meta']['samples']} samples, "
-                        f"T 0.6, top-p 0.95, {math_results['meta']['max_new_tokens']} new tokens{held_out})", render(headers, rows, markdown)))
+                        f"T 0.6, top-p 0.95, {math_results['meta']['max_new_tokens']} new tokens, "
+                        f"{math_results['meta'].get('engine', 'transformers')} engine{held_out})", render(headers, rows, markdown)))
     return out
 
 

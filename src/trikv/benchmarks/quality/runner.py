@@ -59,6 +59,7 @@ class QualityConfig:
     math_limit: int | None = 20
     math_samples: int = 4
     math_max_new_tokens: int = 1024
+    math_engine: str = "lean"  # decode loop of the math generations: "lean" (fastest here) or "transformers"
 
     def fingerprint(self) -> str:
         # a text file's content, not only its path, decides whether earlier units can be reused
@@ -117,6 +118,8 @@ def validate(config: QualityConfig) -> None:
         raise ValueError("budgets must be positive integers")
     if config.dfs_mode not in ("teacher-forced", "generative", "both"):
         raise ValueError("dfs_mode must be teacher-forced, generative or both")
+    if config.math_engine not in ("lean", "transformers"):
+        raise ValueError(f"math_engine must be 'lean' or 'transformers', got {config.math_engine!r}")
     if any(not 0.0 <= d <= 1.0 for d in config.needle_depths):
         raise ValueError("needle depths must lie in [0, 1]")
     for path in config.text_files:
@@ -453,7 +456,7 @@ class QualityRun:
 
         c = self.config
         out = {"meta": {"datasets": c.math_datasets, "limit": c.math_limit, "samples": c.math_samples,
-                        "max_new_tokens": c.math_max_new_tokens, "temperature": 0.6, "top_p": 0.95,
+                        "max_new_tokens": c.math_max_new_tokens, "temperature": 0.6, "top_p": 0.95, "engine": c.math_engine,
                         "excluded_rows": {d: sorted(math_task.reserved_rows(d)) for d in c.math_datasets}}}
         for dataset in c.math_datasets:
             problems = math_task.load_problems(dataset, c.math_limit)
@@ -464,7 +467,7 @@ class QualityRun:
                 if unit is None:
                     records = self._timed(f"{name}/{method}/{budget}", lambda: math_task.run_math(
                         self.model, self.tokenizer, method, budget, self.generation_options(method), problems, c.math_samples,
-                        c.math_max_new_tokens, c.seed, divide_length=c.divide_length))
+                        c.math_max_new_tokens, c.seed, divide_length=c.divide_length, engine=c.math_engine))
                     unit = {"summary": math_task.summarise(records), "records": records,
                             "seconds": self.unit_seconds[f"{name}/{method}/{budget}"]}
                     self.units.put(name, method, budget, unit)
