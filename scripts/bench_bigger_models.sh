@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The quality runs on the bigger offline models behind docs/results.md (resumable: rerun to continue).
 # Statistics: scripts/make_calibration_text.py --model M then `trikv calibrate` (shipped in src/trikv/data/stats).
-# Times on 2 CPU cores, one thread per run: ~45 min for the 0.5B fidelity grid, ~50 min for the 1.5B one
-# (both at once).
+# Times on 2 CPU cores, one thread per run: ~35 min for the 0.5B fidelity grid, ~45 min for each 1.5B one
+# (two at once), ~10 min for the needle run, ~35 min for the quick preset under that load.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . .venv/bin/activate
@@ -14,5 +14,13 @@ trikv bench quality "${common[@]}" --model qwen2.5-coder-0.5b --budgets 128,410 
 trikv bench quality "${common[@]}" --model qwen2.5-coder-1.5b --budgets 410 \
   --methods full,triattention,triattention-window,snapkv,rkv,h2o,streaming \
   --out runs/quality/qwen2.5-coder-1.5b-fidelity
+trikv bench quality "${common[@]}" --model qwen2.5-coder-1.5b --budgets 128 \
+  --methods full,triattention,triattention-window,snapkv,rkv,h2o \
+  --out runs/quality/qwen2.5-coder-1.5b-fidelity-b128
+trikv bench quality --task needle --model qwen2.5-coder-0.5b --needle-lengths 2048,4096 --needle-depths 0.25,0.75 \
+  --methods full,triattention,triattention-window,snapkv,h2o,streaming --budgets 256 --threads 1 --no-progress \
+  --out runs/quality/qwen2.5-coder-0.5b-needle
+trikv bench quality --methods full,triattention,triattention-window,snapkv,streaming --threads 1 --no-progress \
+  --out runs/quality-quick
 trikv bench report runs/quality-quick runs/quality/qwen2.5-coder-0.5b-fidelity runs/quality/qwen2.5-coder-1.5b-fidelity \
-  --out docs/results.md
+  runs/quality/qwen2.5-coder-1.5b-fidelity-b128 runs/quality/qwen2.5-coder-0.5b-needle --out docs/results.md
