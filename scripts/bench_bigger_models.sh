@@ -20,7 +20,11 @@ trikv bench quality "${common[@]}" --model qwen2.5-coder-1.5b --budgets 128 \
 trikv bench quality --task needle --model qwen2.5-coder-0.5b --needle-lengths 2048,4096 --needle-depths 0.25,0.75 \
   --methods full,triattention,triattention-window,snapkv,h2o,streaming --budgets 256 --threads 1 --no-progress \
   --out runs/quality/qwen2.5-coder-0.5b-needle
+trikv bench quality --task needle --model qwen2.5-coder-0.5b --needle-lengths 8192 --needle-depths 0.25,0.75 \
+  --methods full,triattention,triattention-window,snapkv,h2o --budgets 256 --threads 1 --no-progress \
+  --out runs/quality/qwen2.5-coder-0.5b-needle-8k
 trikv bench quality --methods full,triattention,triattention-window,snapkv,streaming --threads 1 --no-progress \
   --out runs/quality-quick
 trikv bench report runs/quality-quick runs/quality/qwen2.5-coder-0.5b-fidelity runs/quality/qwen2.5-coder-1.5b-fidelity \
-  runs/quality/qwen2.5-coder-1.5b-fidelity-b128 runs/quality/qwen2.5-coder-0.5b-needle --out docs/results.md
+  runs/quality/qwen2.5-coder-1.5b-fidelity-b128 runs/quality/qwen2.5-coder-0.5b-needle runs/quality/qwen2.5-coder-0.5b-needle-8k \
+  --out docs/results.md

@@ -423,6 +423,8 @@ def test_bad_settings_are_refused_with_their_name():
         engine_args(method="nope")
     with pytest.raises(SettingsError, match="needs observed queries"):
         engine_args(method="snapkv")
+    with pytest.raises(SettingsError, match="needs observed queries"):  # the window term reads recent queries
+        engine_args(method="triattention-window", stats="smollm2-135m")
     with pytest.raises(SettingsError, match="needs calibration statistics"):
         engine_args(method="triattention")
     with pytest.raises(SettingsError, match="budget must be a positive integer"):

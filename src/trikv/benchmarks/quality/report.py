@@ -448,7 +448,11 @@ def write_report(folders: list[str | Path], out: str | Path, title: str = "trikv
              "Teacher-forced tasks feed the known text through each method's cache in schedule-sized chunks",
              "(identical logits to one-token decoding); `full` is full attention. Every method runs on the same",
              "schedule, also inside a long prompt: a method that ranks by its last queries (SnapKV) sees the text at",
-             "the round, not a question at the prompt's end.", ""]
+             "the round, not a question at the prompt's end.",
+             "The `oracle` recall row keeps, at each of triattention's rounds, the B held keys that receive the most",
+             "attention from all later queries: it maximises the total kept mass of a round, not each horizon's, so a",
+             "method that keeps only recent keys can beat it in the shortest horizon bucket. Math runs name the decode",
+             "engine that produced them.", ""]
     for index, folder in enumerate(folders):
         record = load_run(folder)
         config = record["config"]
