@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import random
 
@@ -558,6 +560,67 @@ def test_math_task_smoke(tokenizer):
     fake = [{"id": "a", "correct": True, "tokens": 3}, {"id": "a", "correct": False, "tokens": 5},
             {"id": "b", "correct": True, "tokens": 4}, {"id": "b", "correct": True, "tokens": 4}]
     assert math_task.summarise(fake)["pass@1"] == pytest.approx(0.75)
+
+
+@pytest.mark.real_model
+def test_math_batches_problems_and_decodes_greedily(tokenizer):
+    """Several problems in one left-padded batch: each record belongs to its own problem and sample, and greedy
+    answers equal those of one problem per batch (padding changes nothing)."""
+    from trikv.benchmarks.quality import math_task
+
+    problems = math_task.load_problems("math500", limit=3)
+    assert len({len(tokenizer(p["prompt"]).input_ids) for p in problems}) > 1  # the batch really is padded
+    model = tiny_model(vocab_size=len(tokenizer))
+    alone = math_task.run_math(model, tokenizer, "streaming", 32, {}, problems, samples=1, max_new_tokens=12, seed=0,
+                               temperature=0, engine="lean")
+    counted = []
+    batched = math_task.run_math(model, tokenizer, "streaming", 32, {}, problems, samples=2, max_new_tokens=12, seed=0,
+                                 temperature=0, engine="lean", problems_per_batch=2, progress=counted.append)
+    assert counted == [2, 1]
+    assert [(r["id"], r["sample"]) for r in batched] == [(p["id"], s) for p in problems for s in (0, 1)]
+    by_problem = {r["id"]: r for r in alone}
+    for record in batched:  # greedy: both samples of a problem are its unbatched answer
+        assert (record["predicted"], record["tokens"]) == (by_problem[record["id"]]["predicted"], by_problem[record["id"]]["tokens"])
+    with pytest.raises(ValueError, match="problems_per_batch must be >= 1"):
+        math_task.run_math(model, tokenizer, "streaming", 32, {}, problems, samples=1, max_new_tokens=2, seed=0, problems_per_batch=0)
+    with pytest.raises(ValueError, match="temperature must be >= 0"):
+        math_task.run_math(model, tokenizer, "streaming", 32, {}, problems, samples=1, max_new_tokens=2, seed=0, temperature=-1)
+
+
+@pytest.mark.real_model
+def test_math_run_reports_its_decoding(tokenizer, tmp_path):
+    """A math run through the runner: the report names greedy decoding, the batching, the dtype and each cell's
+    mean answer length, and the records come from the math task's own grading."""
+    from trikv.benchmarks.quality.report import text_tables
+    from trikv.benchmarks.quality.runner import config_from_preset, run_quality
+
+    model = tiny_model(vocab_size=len(tokenizer))
+    config = config_from_preset("quick", tasks=["math"], methods=["full", "streaming"], budgets=[32], math_limit=2,
+                                math_samples=1, math_max_new_tokens=5, math_temperature=0.0, math_batch=2)
+    record = run_quality(config, tmp_path, model=model, tokenizer=tokenizer, progress=False, log=lambda *a: None)
+    meta = record["results"]["math"]["meta"]
+    assert (meta["temperature"], meta["top_p"], meta["problems_per_batch"]) == (0.0, None, 2)
+    cell = record["results"]["math"]["math500"]["streaming"]["32"]
+    assert cell["problems"] == 2 and cell["mean_tokens"] == 5.0
+    tables = text_tables(record)
+    assert "greedy, 5 new tokens, lean engine, float32, 2 problems per batch" in tables
+    assert "(5 tok)" in tables
+
+
+def test_math_and_dtype_settings_are_checked_and_fingerprinted():
+    from trikv.benchmarks.quality.runner import QualityConfig, config_from_preset
+
+    for key, value, message in (("math_temperature", -0.5, "math_temperature must be >= 0"),
+                                ("math_batch", 0, "math_batch must be >= 1"), ("dtype", "int8", "dtype must be one of")):
+        with pytest.raises(ValueError, match=message):
+            config_from_preset("quick", **{key: value})
+    # at their defaults the later settings leave the fingerprint of an older run unchanged; set, they change it
+    base = QualityConfig()
+    record = {k: v for k, v in dataclasses.asdict(base).items() if k not in ("math_temperature", "math_batch", "dtype")}
+    older = hashlib.sha256(json.dumps({**record, "text_file_sha256": []}, sort_keys=True).encode()).hexdigest()[:16]
+    assert base.fingerprint() == older
+    assert len({base.fingerprint(), QualityConfig(dtype="bfloat16").fingerprint(), QualityConfig(math_batch=4).fingerprint(),
+                QualityConfig(math_temperature=0.0).fingerprint()}) == 4
 
 
 @pytest.mark.real_model

@@ -4,7 +4,8 @@ Data: the JSONL copies in trikv/data/datasets (provenance in their README). Prom
 template for MATH-500 problems ("You are given a math problem. ... Final answer: \\boxed{}"); the AIME
 prompts already end with a boxed-answer instruction. The chat template is applied (the bundled model is an
 instruct model; `chat=False` gives the reference harness's plain prompt). Sampling: T 0.6, top-p 0.95,
-k samples per problem (seeded per problem), pass@1 = mean over samples, then over problems.
+k samples per problem (seeded per problem), pass@1 = mean over samples, then over problems;
+temperature 0 decodes greedily, and several problems can share one batch for throughput.
 """
 
 from __future__ import annotations
@@ -57,25 +58,39 @@ def load_problems(name: str, limit: int | None = None) -> list[dict]:
 
 def run_math(model, tokenizer, method: str, budget: int | None, method_options: dict, problems: list[dict], samples: int,
              max_new_tokens: int, seed: int, temperature: float = 0.6, top_p: float = 0.95, divide_length: int = 128,
-             chat: bool = True, timeout: float = 3.0, progress=None, engine: str = "transformers") -> list[dict]:
-    """Sample `samples` answers per problem (one batch per problem) and grade them."""
+             chat: bool = True, timeout: float = 3.0, progress=None, engine: str = "transformers",
+             problems_per_batch: int = 1) -> list[dict]:
+    """Answer each problem `samples` times and grade the answers.
+
+    temperature 0 decodes greedily (then `top_p` is unused). `problems_per_batch` problems share one left-padded
+    batch of `problems_per_batch * samples` rows (a decode step costs little more for more rows, so this is the
+    throughput setting); the sampling seed is `seed` + the index of the batch's first problem, so with one
+    problem per batch each problem has its own seed whatever else runs.
+    """
     from ...generation import generate
 
+    if problems_per_batch < 1:
+        raise ValueError(f"problems_per_batch must be >= 1, got {problems_per_batch}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+    sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p} if temperature > 0 else {"do_sample": False}
     records = []
-    for index, problem in enumerate(problems):
+    for first in range(0, len(problems), problems_per_batch):
+        group = problems[first:first + problems_per_batch]
         result = generate(
-            model, tokenizer, [problem["prompt"]] * samples, method=method, budget=budget, max_new_tokens=max_new_tokens,
-            do_sample=True, temperature=temperature, top_p=top_p, seed=seed + index, chat=chat,
-            divide_length=divide_length, engine=engine, **method_options,
+            model, tokenizer, [problem["prompt"] for problem in group for _ in range(samples)], method=method,
+            budget=budget, max_new_tokens=max_new_tokens, seed=seed + first, chat=chat, divide_length=divide_length,
+            engine=engine, **sampling, **method_options,
         )
-        for sample, text in enumerate(result.texts):
+        for row, text in enumerate(result.texts):
+            problem, sample = group[row // samples], row % samples
             predicted = extract_answer(text)
             records.append({
                 "id": problem["id"], "sample": sample, "answer": problem["answer"], "predicted": predicted,
-                "correct": math_equal(predicted, problem["answer"], timeout=timeout), "tokens": len(result.tokens[sample]),
+                "correct": math_equal(predicted, problem["answer"], timeout=timeout), "tokens": len(result.tokens[row]),
             })
         if progress is not None:
-            progress(1)
+            progress(len(group))
     return records
 
 

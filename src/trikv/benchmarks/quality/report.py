@@ -153,14 +153,18 @@ def sections(record: dict, markdown: bool) -> list[tuple[str, str]]:
         math_results = results["math"]
         for dataset in math_results["meta"]["datasets"]:
             table = math_results.get(dataset, {})
-            headers, rows = _grid(record, table, lambda c: c["pass@1"])
+            headers, rows = _grid(record, table, lambda c: f"{_fmt(c['pass@1'])} ({c['mean_tokens']:.0f} tok)")
             n = next(iter(next(iter(table.values())).values()))["problems"] if table else 0
             excluded = math_results["meta"].get("excluded_rows", {}).get(dataset) or []
             held_out = (f", rows {excluded[0]}-{excluded[-1]} excluded: the shipped statistics were calibrated on them"
                         if excluded else "")
-            out.append((f"Math {dataset}: pass@1 ({n} problems, {math_results['meta']['samples']} samples, "
-                        f"T 0.6, top-p 0.95, {math_results['meta']['max_new_tokens']} new tokens, "
-                        f"{math_results['meta'].get('engine', 'transformers')} engine{held_out})", render(headers, rows, markdown)))
+            meta = math_results["meta"]
+            temperature = meta.get("temperature", 0.6)
+            decoding = f"T {temperature:g}, top-p {meta.get('top_p', 0.95):g}" if temperature > 0 else "greedy"
+            batching = (f", {meta['problems_per_batch']} problems per batch" if meta.get("problems_per_batch", 1) > 1 else "")
+            out.append((f"Math {dataset}: pass@1 ({n} problems, {meta['samples']} samples, {decoding}, "
+                        f"{meta['max_new_tokens']} new tokens, {meta.get('engine', 'transformers')} engine, "
+                        f"{meta.get('dtype', 'float32')}{batching}{held_out})", render(headers, rows, markdown)))
     return out
 
 
