@@ -14,15 +14,11 @@ import argparse
 import itertools
 import json
 import time
-from pathlib import Path
 
-import torch
+from calibration_task import ROOT, TEXT, calibration_task
 
 import trikv
-from trikv.benchmarks.quality.fidelity import FidelityTask
 
-ROOT = Path(__file__).resolve().parents[1]
-TEXT = ROOT / "src/trikv/data/calibration/smollm2-135m-math500-traces.txt"
 OUT = ROOT / "src/trikv/data/calibration/tri-am-ridge.json"
 
 
@@ -34,12 +30,7 @@ def main() -> None:
     parser.add_argument("--divide-length", type=int, default=64)
     parser.add_argument("--ridges", default="0.001,0.01,0.1,1.0")
     args = parser.parse_args()
-    torch.manual_seed(0)
-    model, tokenizer = trikv.load_model("smollm2-135m")
-    stats = trikv.load_stats("smollm2-135m", model)
-    ids = tokenizer(TEXT.read_text(encoding="utf-8"), return_tensors="pt").input_ids[:, : args.tokens]
-    task = FidelityTask(model, ids, prompt_length=args.prompt, max_chunk=128, recall_stride=8)
-    task.run_reference(recall=False)
+    model, stats, ids, task = calibration_task(args.tokens, args.prompt)
     common = dict(budget=args.budget, divide_length=args.divide_length, stats=stats)
     started = time.perf_counter()
     baseline, _ = task.run_method(trikv.make_cache(model, "triattention", **common))

@@ -13,16 +13,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
-from pathlib import Path
 
 import torch
+from calibration_task import ROOT, TEXT, calibration_task
 
 import trikv
-from trikv.benchmarks.quality.fidelity import FidelityTask
 
-ROOT = Path(__file__).resolve().parents[1]
-TEXT = ROOT / "src/trikv/data/calibration/smollm2-135m-math500-traces.txt"
 OUT = ROOT / "src/trikv/data/calibration/triattention-window-weight.json"
 
 
@@ -34,12 +32,7 @@ def main() -> None:
     parser.add_argument("--divide-length", type=int, default=128)
     parser.add_argument("--weights", default="0,0.125,0.25,0.5,0.75,1")
     args = parser.parse_args()
-    torch.manual_seed(0)
-    model, tokenizer = trikv.load_model("smollm2-135m")
-    stats = trikv.load_stats("smollm2-135m", model)
-    ids = tokenizer(TEXT.read_text(encoding="utf-8"), return_tensors="pt").input_ids[:, : args.tokens]
-    task = FidelityTask(model, ids, prompt_length=args.prompt, max_chunk=128, recall_stride=8)
-    task.run_reference(recall=False)
+    model, stats, ids, task = calibration_task(args.tokens, args.prompt)
     budgets = [int(b) for b in args.budgets.split(",")]
     started = time.perf_counter()
 
@@ -72,5 +65,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    torch.set_num_threads(int(__import__("os").environ.get("TRIKV_THREADS", "1")))
+    torch.set_num_threads(int(os.environ.get("TRIKV_THREADS", "1")))
     main()
