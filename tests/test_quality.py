@@ -607,6 +607,32 @@ def test_math_run_reports_its_decoding(tokenizer, tmp_path):
     assert "(5 tok)" in tables
 
 
+@pytest.mark.real_model
+def test_a_run_extends_its_grid_and_refuses_another_setup(tokenizer, tmp_path):
+    """Another budget or method in the same folder reuses the finished cells (files untouched) and computes only
+    the new ones, also for folders written before the grid-free fingerprint was stored; any other change is
+    refused, naming the setting."""
+    from trikv.benchmarks.quality.runner import config_from_preset, run_quality
+
+    model = tiny_model(vocab_size=len(tokenizer))
+    setup = dict(tasks=["math"], math_limit=1, math_samples=1, math_max_new_tokens=3, math_temperature=0.0)
+    run = lambda config: run_quality(config, tmp_path, model=model, tokenizer=tokenizer, progress=False, log=lambda *a: None)
+    run(config_from_preset("quick", methods=["full", "streaming"], budgets=[32], **setup))
+    units = tmp_path / "units"
+    first = {p.name: p.stat().st_mtime_ns for p in units.glob("math-*.json")}
+    assert set(first) == {"math-math500__full__none.json", "math-math500__streaming__32.json"}
+    saved = json.loads((tmp_path / "config.json").read_text())
+    del saved["setup_fingerprint"]  # as a folder from before it was stored
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    record = run(config_from_preset("quick", methods=["full", "streaming", "h2o"], budgets=[32, 48], **setup))
+    after = {p.name: p.stat().st_mtime_ns for p in units.glob("math-*.json")}
+    assert {name: after[name] for name in first} == first
+    assert set(after) - set(first) == {"math-math500__streaming__48.json", "math-math500__h2o__32.json", "math-math500__h2o__48.json"}
+    assert set(record["results"]["math"]["math500"]["h2o"]) == {"32", "48"}
+    with pytest.raises(ValueError, match="another configuration .*math_max_new_tokens"):
+        run(config_from_preset("quick", methods=["full", "streaming"], budgets=[32], **(setup | {"math_max_new_tokens": 4})))
+
+
 def test_math_and_dtype_settings_are_checked_and_fingerprinted():
     from trikv.benchmarks.quality.runner import QualityConfig, config_from_preset
 

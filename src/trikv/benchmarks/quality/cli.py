@@ -32,7 +32,7 @@ def add_quality_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-prompt-protection", dest="protect_prompt", action="store_false", default=None,
                         help="let the prompt's entries compete for the budget like any other (default: protected)")
     parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--out", default="bench-quality", help="result folder (resumes a run with the same arguments)")
+    parser.add_argument("--out", default="bench-quality", help="result folder (resumes a run with the same settings; other --methods or --budgets extend it, reusing its finished cells)")
     parser.add_argument("--fresh", action="store_true", help="recompute every unit instead of resuming")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default: 1 when the machine is busy, else torch's default)")

@@ -463,7 +463,8 @@ def write_report(folders: list[str | Path], out: str | Path, title: str = "trikv
         name = Path(folder).resolve().name
         lines += [f"## {record['model']['name']}: run `{name}`", ""]
         lines += [
-            f"- model: `{record['model']['name']}` (parameters sha256 `{record['model']['sha256_parameters'][:16]}`), "
+            f"- model: `{record['model']['name']}` ({record['model'].get('dtype', 'torch.float32').removeprefix('torch.')}, "
+            f"parameters sha256 `{record['model']['sha256_parameters'][:16]}`), "
             f"stats: {('`' + Path(record['stats']['path']).name + '` sha256 `' + record['stats']['sha256'][:16] + '`') if record.get('stats') and record['stats'].get('sha256') else 'n/a'}",
             f"- trikv {record['trikv_version']}, torch {record['environment']['torch']}, transformers "
             f"{record['environment']['transformers']}, {record['environment']['threads']} thread(s) on {record['environment']['device']}",

@@ -1,8 +1,8 @@
 """`trikv bench quality`: the grid of tasks x methods x budgets, resumable, reproducible.
 
 Every (task, method, budget) cell is a unit of work written to `OUT/units/` as soon as it is done; a rerun
-with the same arguments reuses the units it finds (an interrupted run resumes), and `--fresh` recomputes
-them. The full-attention reference of the teacher-forced texts is computed once per run and shared by all
+with the same arguments reuses the units it finds (an interrupted run resumes), a rerun that only adds or drops
+methods or budgets reuses the cells both grids share, and `--fresh` recomputes them. The full-attention reference of the teacher-forced texts is computed once per run and shared by all
 methods; the `full` method's fidelity/recall figures are the reference itself. At the end the run writes
 `results.json` (every figure, the configuration, versions, model / stats fingerprints, seeds), `results.csv`,
 one PNG per task and prints the tables.
@@ -65,13 +65,17 @@ class QualityConfig:
     # weights and activations; bfloat16 halves the memory traffic of a decode step (and uses AMX on recent Xeons)
     dtype: str = "float32"
 
-    def fingerprint(self) -> str:
+    def fingerprint(self, grid: bool = True) -> str:
+        """What decides whether a folder's units can be reused; grid=False leaves out the methods and budgets,
+        which only choose which units exist (each unit is one (method, budget) cell)."""
         # a text file's content, not only its path, decides whether earlier units can be reused
         contents = [file_sha256(path) if Path(path).is_file() else None for path in self.text_files]
         record = {**dataclasses.asdict(self), "text_file_sha256": contents}
         for name, default in ADDED_LATER.items():  # at their defaults, runs made before these fields existed resume
             if record[name] == default:
                 del record[name]
+        if not grid:
+            del record["methods"], record["budgets"]
         return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -231,12 +235,29 @@ class QualityRun:
         if path.exists() and not fresh:
             previous = json.loads(path.read_text())
             if previous.get("fingerprint") != self.config.fingerprint():
-                changed = sorted(k for k in current if previous.get("config", {}).get(k) != current[k])
-                raise ValueError(
-                    f"{self.out} holds a run with another configuration (differs in {', '.join(changed)}); "
-                    "use another --out folder or --fresh to start over"
-                )
-        path.write_text(json.dumps({"fingerprint": self.config.fingerprint(), "config": current}, indent=1))
+                if self._previous_setup(previous) != self.config.fingerprint(grid=False):
+                    changed = sorted(k for k in current if previous.get("config", {}).get(k) != current[k])
+                    raise ValueError(
+                        f"{self.out} holds a run with another configuration (differs in {', '.join(changed)}); "
+                        "use another --out folder or --fresh to start over"
+                    )
+                # same setup, other methods or budgets: the cells both grids share are reused, the rest computed
+                self.log(f"{self.out}: extending the run's grid (methods {', '.join(self.config.methods)}; budgets "
+                         f"{', '.join(map(str, self.config.budgets))}); its finished cells are reused")
+        path.write_text(json.dumps({"fingerprint": self.config.fingerprint(), "setup_fingerprint": self.config.fingerprint(grid=False),
+                                    "config": current}, indent=1))
+
+    def _previous_setup(self, previous: dict) -> str | None:
+        """The grid-free fingerprint of the run in the folder. Folders written before it was stored are
+        fingerprinted from their saved configuration, which is only possible when no text file (whose content
+        was not saved) was part of the run."""
+        if "setup_fingerprint" in previous:
+            return previous["setup_fingerprint"]
+        config = previous.get("config", {})
+        names = {f.name for f in dataclasses.fields(QualityConfig)}
+        if config.get("text_files") or not set(config) <= names:
+            return None
+        return QualityConfig(**config).fingerprint(grid=False)
 
     # ---- setup
     def _load(self) -> None:
