@@ -605,6 +605,15 @@ def test_math_run_reports_its_decoding(tokenizer, tmp_path):
     tables = text_tables(record)
     assert "greedy, 5 new tokens, lean engine, float32, 2 problems per batch" in tables
     assert "(5 tok)" in tables
+    # the paired table counts problem by problem: make full solve problem 0 only, streaming problem 1 only
+    from trikv.benchmarks.quality import math_task
+
+    math = record["results"]["math"]["math500"]
+    ids = sorted(math["full"]["full"]["by_problem"])
+    fake = lambda solved: math_task.summarise([{"id": q, "correct": q == solved, "tokens": 5} for q in ids])
+    math["full"]["full"], math["streaming"]["32"] = fake(ids[0]), fake(ids[1])
+    paired = [line for line in text_tables(record).splitlines() if line.lstrip().startswith("32")]
+    assert paired and paired[-1].split() == ["32", "streaming", "0.500", "+0.0", "+1", "/", "-1"]
 
 
 @pytest.mark.real_model

@@ -101,6 +101,7 @@ def summarise(records: list[dict]) -> dict:
     per_problem = [sum(v) / len(v) for v in by_problem.values()]
     return {
         "pass@1": sum(per_problem) / len(per_problem) if per_problem else float("nan"),
+        "by_problem": {problem: sum(v) / len(v) for problem, v in by_problem.items()},  # for paired comparisons
         "problems": len(per_problem),
         "samples": len(records),
         "mean_tokens": sum(r["tokens"] for r in records) / len(records) if records else 0.0,

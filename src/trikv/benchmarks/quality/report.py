@@ -165,7 +165,34 @@ def sections(record: dict, markdown: bool) -> list[tuple[str, str]]:
             out.append((f"Math {dataset}: pass@1 ({n} problems, {meta['samples']} samples, {decoding}, "
                         f"{meta['max_new_tokens']} new tokens, {meta.get('engine', 'transformers')} engine, "
                         f"{meta.get('dtype', 'float32')}{batching}{held_out})", render(headers, rows, markdown)))
+            paired = _math_paired(record, table)
+            if paired:
+                out.append((f"Math {dataset}: each method against full attention on the same problems (points; +/-: "
+                            "problems it solves that full does not / full solves that it does not)",
+                            render(["budget", "method", "pass@1", "vs full", "+/- vs full", "triattention minus it"], paired, markdown)))
     return out
+
+
+def _math_paired(record: dict, table: dict) -> list[list]:
+    """Rows [budget, method, pass@1, points vs full, gained/lost problems vs full, triattention's lead] for every
+    compressed cell whose records carry per-problem scores (paired: same problems, so the +/- counts are exact)."""
+    full = _cell(table, "full", "")
+    if full is None or "by_problem" not in full:
+        return []
+    rows = []
+    for budget in _budgets(record):
+        tri = _cell(table, "triattention", budget)
+        for method in _methods(record):
+            cell = _cell(table, method, budget)
+            if method == "full" or cell is None or "by_problem" not in cell:
+                continue
+            shared = [problem for problem in cell["by_problem"] if problem in full["by_problem"]]
+            gained = sum(max(0.0, cell["by_problem"][q] - full["by_problem"][q]) for q in shared)
+            lost = sum(max(0.0, full["by_problem"][q] - cell["by_problem"][q]) for q in shared)
+            lead = "" if tri is None or method == "triattention" else f"{100 * (tri['pass@1'] - cell['pass@1']):+.1f}"
+            rows.append([budget, method, cell["pass@1"], f"{100 * (cell['pass@1'] - full['pass@1']):+.1f}",
+                         f"+{gained:g} / -{lost:g}", lead])
+    return rows
 
 
 def _ranks(values: list[float]) -> list[float]:

@@ -514,7 +514,7 @@ class QualityRun:
                             "seconds": self.unit_seconds[f"{name}/{method}/{budget}"]}
                     self.units.put(name, method, budget, unit)
                     self.log(f"  {name} {method:>14} B={budget}  pass@1 {unit['summary']['pass@1']:.3f}")
-                table.setdefault(method, {})[budget_key(method, budget)] = unit["summary"]
+                table.setdefault(method, {})[budget_key(method, budget)] = math_task.summarise(unit["records"])
             out[dataset] = table
         return {"math": out}
 
