@@ -1,9 +1,10 @@
 """`trikv bench quality`: the grid of tasks x methods x budgets, resumable, reproducible.
 
 Every (task, method, budget) cell is a unit of work written to `OUT/units/` as soon as it is done; a rerun
-with the same arguments reuses the units it finds (an interrupted run resumes), a rerun that only adds or drops
-methods or budgets reuses the cells both grids share, and `--fresh` recomputes them. The full-attention reference of the teacher-forced texts is computed once per run and shared by all
-methods; the `full` method's fidelity/recall figures are the reference itself. At the end the run writes
+with the same arguments reuses the units it finds (an interrupted run resumes), a rerun that only adds or
+drops methods or budgets reuses the cells both grids share, and `--fresh` recomputes them. The
+full-attention reference of the teacher-forced texts is computed once per run and shared by all methods;
+the `full` method's fidelity/recall figures are the reference itself. At the end the run writes
 `results.json` (every figure, the configuration, versions, model / stats fingerprints, seeds), `results.csv`,
 one PNG per task and prints the tables.
 """
