@@ -2,7 +2,8 @@
 # The quality runs on the bigger offline models behind docs/results.md (resumable: rerun to continue).
 # Statistics: scripts/make_calibration_text.py --model M then `trikv calibrate` (shipped in src/trikv/data/stats).
 # Times on 2 CPU cores, one thread per run: ~35 min for the 0.5B fidelity grid, ~45 min for each 1.5B one
-# (two at once), ~10 min for the needle run, ~35 min for the quick preset under that load.
+# (two at once), ~10 min for the needle run, ~35 min for the quick preset under that load; the 1.5B needle,
+# DFS and math runs use bfloat16 with two threads, alone on the machine (~4 min, ~15 min, ~85 min).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . .venv/bin/activate
@@ -23,13 +24,21 @@ trikv bench quality --task needle --model qwen2.5-coder-0.5b --needle-lengths 20
 trikv bench quality --task needle --model qwen2.5-coder-0.5b --needle-lengths 8192 --needle-depths 0.25,0.75 \
   --methods full,triattention,triattention-window,snapkv,h2o --budgets 256 --threads 1 --no-progress \
   --out runs/quality/qwen2.5-coder-0.5b-needle-8k
-# MATH-500 subset on the 1.5B: 32 held-out rows greedy in one batch, bfloat16 (~1 s per decode step of 32 rows on
-# 2 cores with AMX; ~17 min per method), budget 256 so a 1,024-token answer overruns the budget ~4x
-trikv bench quality --task math --model qwen2.5-coder-1.5b --methods full,triattention,rkv,snapkv,streaming --budgets 256 \
+trikv bench quality --task needle --model qwen2.5-coder-1.5b --needle-lengths 2048,4096 --needle-depths 0.25,0.75 \
+  --methods full,triattention,snapkv,h2o,streaming --budgets 256 --dtype bfloat16 --threads 2 --no-progress \
+  --out runs/quality/qwen2.5-coder-1.5b-needle
+trikv bench quality --task dfs --model qwen2.5-coder-1.5b --methods full,triattention,triattention-window,snapkv,rkv,h2o,streaming \
+  --budgets 128 --dfs-graphs 6 --dfs-nodes 10,20 --dfs-ks 4,8,16,24 --dtype bfloat16 --threads 2 --no-progress \
+  --out runs/quality/qwen2.5-coder-1.5b-dfs
+# MATH-500 subset on the 1.5B: 32 held-out rows greedy in one batch, bfloat16 (~0.6 s per decode step of 32 rows on
+# 2 cores with AMX; ~10-17 min per cell, one job at a time); at B=256 a 1,024-token answer overruns the budget ~4x
+trikv bench quality --task math --model qwen2.5-coder-1.5b --budgets 256 \
+  --methods full,triattention,triattention-window,triattention-recent,rkv,snapkv,streaming \
   --limit 32 --samples 1 --math-batch 32 --temperature 0 --max-new-tokens 1024 --dtype bfloat16 --threads 2 --no-progress \
   --out runs/quality/qwen2.5-coder-1.5b-math
 trikv bench quality --methods full,triattention,triattention-window,snapkv,streaming --threads 1 --no-progress \
   --out runs/quality-quick
 trikv bench report runs/quality-quick runs/quality/qwen2.5-coder-0.5b-fidelity runs/quality/qwen2.5-coder-1.5b-fidelity \
   runs/quality/qwen2.5-coder-1.5b-fidelity-b128 runs/quality/qwen2.5-coder-0.5b-needle runs/quality/qwen2.5-coder-0.5b-needle-8k \
-  runs/quality/qwen2.5-coder-1.5b-math --out docs/results.md
+  runs/quality/qwen2.5-coder-1.5b-needle runs/quality/qwen2.5-coder-1.5b-dfs runs/quality/qwen2.5-coder-1.5b-math \
+  --out docs/results.md

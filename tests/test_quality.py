@@ -268,6 +268,20 @@ def test_graph_generators():
     assert [g.edges for g in graphs] == [g.edges for g in dfs.make_graphs(4, seed=1, min_steps=8)]
 
 
+def test_dfs_question_states_the_form_its_expected_answer_has():
+    """The teacher-forced answer is scored token by token, so the question must announce exactly its form:
+    substituting the true state into the announced form gives the expected answer."""
+    import re
+
+    graph = dfs.make_graphs(1, seed=3, min_steps=6)[0]
+    for k in (1, 3, 5):
+        form = re.search(r"Answer on one line as: (.*)\nAnswer:$", dfs.question_text(k)).group(1)
+        state = graph.states[k]
+        filled = (form.replace("<node>", str(state.node), 1).replace("<nodes>", ", ".join(map(str, state.stack)), 1)
+                  .replace("<nodes>", ", ".join(map(str, state.visited)), 1))
+        assert " " + filled == "".join(text for _, text in dfs.answer_fields(state))
+
+
 def test_dfs_answer_parsing_and_scoring():
     state = dfs.DfsState("visit", 5, (0, 2, 5), (0, 1, 2, 5))
     text = 'Step 1: visit 1\nAnswer: {"current_node": 5, "stack": [0, 2, 5], "visited_nodes": [0, 2, 1, 5]}'

@@ -190,9 +190,12 @@ def step_line(index: int, state: DfsState) -> str:
 
 
 def question_text(k: int) -> str:
+    # The answer's form is stated with placeholders: without it a model's greedy choice after "current node" is
+    # punctuation (":"), which fails the field on format alone; with example numbers the model copies them.
     return (
         f"Question: after step {k}, what is the current node, the stack (from the root) and the list of "
-        f"visited nodes (in the order they were first visited)?\nAnswer:"
+        f"visited nodes (in the order they were first visited)? Answer on one line as: current node <node>; "
+        f"stack [<nodes>]; visited [<nodes>]\nAnswer:"
     )
 
 
