@@ -1,7 +1,7 @@
 """The teacher-forced fidelity task that the tuning scripts choose defaults on.
 
-It reads the bundled model's own calibration text (the MATH-500 traces its statistics come from), which no
-benchmark evaluates, so a default tuned on it is not tuned on the evaluation.
+It reads a model's own calibration text (the MATH-500 traces its shipped statistics come from, sampled on rows
+that every benchmark excludes), so a default tuned on it is not tuned on the evaluation.
 """
 
 from __future__ import annotations
@@ -14,15 +14,22 @@ import trikv
 from trikv.benchmarks.quality.fidelity import FidelityTask
 
 ROOT = Path(__file__).resolve().parents[1]
-TEXT = ROOT / "src/trikv/data/calibration/smollm2-135m-math500-traces.txt"
 
 
-def calibration_task(tokens: int, prompt: int):
-    """(model, stats, ids [1, tokens], task with its full-attention reference already run)."""
+def calibration_text(model_name: str) -> Path:
+    return ROOT / f"src/trikv/data/calibration/{model_name}-math500-traces.txt"
+
+
+TEXT = calibration_text("smollm2-135m")
+
+
+def calibration_task(tokens: int, prompt: int, model_name: str = "smollm2-135m"):
+    """(model, stats, ids [1, tokens], task with its full-attention reference already run), float32."""
     torch.manual_seed(0)
-    model, tokenizer = trikv.load_model("smollm2-135m")
-    stats = trikv.load_stats("smollm2-135m", model)
-    ids = tokenizer(TEXT.read_text(encoding="utf-8"), return_tensors="pt").input_ids[:, :tokens]
+    model, tokenizer = trikv.load_model(model_name)
+    stats = trikv.load_stats(model_name, model)
+    text = calibration_text(model_name).read_text(encoding="utf-8")
+    ids = tokenizer(text, return_tensors="pt").input_ids[:, :tokens]
     task = FidelityTask(model, ids, prompt_length=prompt, max_chunk=128, recall_stride=8)
     task.run_reference(recall=False)
     return model, stats, ids, task

@@ -377,3 +377,14 @@ def test_triattention_window_settings_are_checked():
         trikv.make_cache(model, "triattention-window", budget=64)
     cache = trikv.make_cache(model, "triattention-window", budget=64, stats=stats, window_size=16)
     assert cache.policy.recent_window == 16 and cache.query_window is not None
+
+
+def test_triattention_dedup_settings_are_checked():
+    model = tiny_model("qwen2")
+    stats = tiny_stats(model)
+    with pytest.raises(ValueError, match="redundancy_weight must be >= 0"):
+        trikv.make_cache(model, "triattention-dedup", budget=64, stats=stats, redundancy_weight=-0.5)
+    with pytest.raises(ValueError, match=r"cosine similarity in \[-1, 1\]"):
+        trikv.make_cache(model, "triattention-dedup", budget=64, stats=stats, similarity_threshold=2.0)
+    with pytest.raises(ValueError, match="needs calibration statistics"):
+        trikv.make_cache(model, "triattention-dedup", budget=64)

@@ -15,6 +15,7 @@ from trikv.policies.attention_scores import grouped_logits, window_probabilities
 from trikv.policies.base import ObservationContext, ScoringContext
 from trikv.policies.lazy_eviction import recurrence_importance
 from trikv.policies.pyramidkv import pyramid_budgets
+from trikv.policies.rkv import mean_similarity
 
 from helpers import VisibleLog, masked_reference_logits, tiny_model
 from trikv.compat import cache_kwargs
@@ -417,6 +418,24 @@ def test_rkv_drops_the_oldest_of_identical_keys():
     snap = _bound(make_policy("snapkv", window_size=1, kernel_size=1))
     context = _context(keys, budget=3, protected=protected, queries=attentive, query_positions=torch.tensor([[9]]))
     torch.testing.assert_close(rkv.importance(context), snap.importance(context))
+
+
+def test_mean_similarity_exempts_the_newest_copy_of_each_row():
+    keys = _one_hot_keys(10, d=16)  # orthogonal keys: similarity 0 ...
+    copy = torch.zeros(16)
+    copy[12] = 1.0
+    for position in (2, 5, 8):  # ... except three copies
+        keys[0, 0, 0, position] = copy
+    positions = torch.arange(10).expand(1, 1, 1, 10).clone()
+    # row 2 drops 8 (its newest copy) and counts 5; row 5 drops 8, counts 2; row 8 drops 5, counts 2
+    expected = torch.zeros(10)
+    expected[2], expected[5] = 2 / 10, 1 / 10
+    torch.testing.assert_close(mean_similarity(keys, positions, 0.5)[0, 0, 0], expected)
+    positions[..., 9] = -1  # a dead slot neither counts as a row nor as a column
+    expected = expected * 10 / 9
+    torch.testing.assert_close(mean_similarity(keys, positions, 0.5)[0, 0, 0], expected)
+    # threshold 1.0: no key is a near-duplicate (> 1), nothing exempted: every copy sees the two others
+    torch.testing.assert_close(mean_similarity(keys, positions, 1.0)[0, 0, 0, [2, 5, 8]], torch.full((3,), 2 / 9))
 
 
 def test_lazyeviction_tracks_recurrence_and_prefers_recurring_tokens():

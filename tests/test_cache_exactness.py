@@ -221,7 +221,8 @@ def test_every_triattention_variant_is_exact_masking(method):
     log = VisibleLog(model)
     try:
         # the windowed variants get a window that leaves room for selection inside the budget of 28
-        window = {"triattention-window": {"window_size": 6}, "triattention-recent": {"recent_window": 6}}.get(method, {})
+        window = {"triattention-window": {"window_size": 6}, "triattention-recent": {"recent_window": 6},
+                  "triattention-dedup": {"recent_window": 6}}.get(method, {})
         result = trikv.generate(model, tokenizer, prompts, method=method, stats=tiny_stats(model), budget=28, divide_length=8,
                                 max_new_tokens=40, min_new_tokens=40, return_logits=True, **window)
     finally:

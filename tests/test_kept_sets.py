@@ -4,7 +4,8 @@ At each round of a real generation the cache's stored keys and positions are rea
 must keep is rebuilt from the method's published rule with code written here: TriAttention from the
 literal formula (pre-RoPE keys recovered by undoing the rotation at each entry's position, every offset
 summed explicitly, float64), z-scored per query head over the candidates, max (or mean) over the group,
-the prompt protected while it leaves room, top-B; StreamingLLM and Knorm from their rules. The cache's kept
+the prompt protected while it leaves room, top-B; triattention-dedup adds R-KV's
+key redundancy from pairwise cosine similarities; StreamingLLM and Knorm from their rules. The cache's kept
 set must equal it (entries within 1e-4 of the cut-off may swap: float ties).
 """
 
@@ -103,6 +104,26 @@ def window_attention_reference(keys, positions, queries, query_positions, t, w, 
     return out
 
 
+def mean_similarity_reference(keys, positions, threshold) -> torch.Tensor:
+    """[L, Hkv, N] R-KV's redundancy before its softmax, one key pair at a time in float64: each live key's
+    cosine similarity to every other live key; in the row of key i, the most recent key above `threshold`
+    counts 0; the column mean over the live rows."""
+    L, Hkv, N, _ = keys.shape
+    out = torch.zeros(L, Hkv, N, dtype=torch.float64)
+    for layer in range(L):
+        for g in range(Hkv):
+            live = [n for n in range(N) if positions[layer, g, n] >= 0]
+            k = keys[layer, g].double()
+            for i in live:
+                row = {j: float(k[i] @ k[j] / (k[i].norm() * k[j].norm())) for j in live if j != i}
+                near = [j for j, similarity in row.items() if similarity > threshold]
+                if near:
+                    row[max(near, key=lambda j: int(positions[layer, g, j]))] = 0.0
+                for j, similarity in row.items():
+                    out[layer, g, j] += similarity / len(live)
+    return out
+
+
 def expected_scores(method, options, cache, stats, geometry, keys, positions, t, prompt_length, queries=None,
                     query_positions=None):
     """[L, Hkv, N] the method's ranking of the stored entries: protected +inf, dead -inf; keep the top-B."""
@@ -121,6 +142,12 @@ def expected_scores(method, options, cache, stats, geometry, keys, positions, t,
         window = zscored(window.clamp_min(1e-6).log()[:, :, None], candidates)[:, :, 0]
         weight = options.get("window_weight", 0.25)  # the documented default
         score = (1 - weight) * tri + weight * window
+    elif REGISTRY[method].policy_class.__name__ == "TriAttentionDedup":
+        group = cache.shape.group_size
+        tri = zscored(triattention_reference(stats, geometry, keys, positions, t, group, options), candidates).amax(2)
+        tri = zscored(tri[:, :, None], candidates)[:, :, 0]
+        similar = zscored(mean_similarity_reference(keys, positions, 0.5)[:, :, None], candidates)[:, :, 0]
+        score = tri - options.get("redundancy_weight", 0.5) * similar  # the documented defaults
     elif REGISTRY[method].policy_class.__name__ == "TriAttention":
         group = cache.shape.group_size
         raw = triattention_reference(stats, geometry, keys, positions, t, group, options)
@@ -156,7 +183,8 @@ def _union(z, candidates, protected, live):
 
 METHODS = [name for name in REGISTRY if name.startswith("triattention")] + ["streaming", "knorm"]
 # windows that leave room for selection within the budget of 24
-SMALL_WINDOW = {"triattention-window": {"window_size": 6}, "triattention-recent": {"recent_window": 6}}
+SMALL_WINDOW = {"triattention-window": {"window_size": 6}, "triattention-recent": {"recent_window": 6},
+                "triattention-dedup": {"recent_window": 6}}
 
 
 @pytest.mark.parametrize("method", METHODS)

@@ -32,6 +32,7 @@ pytestmark = [pytest.mark.real_model, pytest.mark.vllm]
 HERE = Path(__file__).parent
 BUDGET, SLACK, BLOCK = 64, 32, 32
 NEW_TOKENS = 160
+QUERY_FREE = ("streaming", "knorm", "triattention-dedup")  # methods checked against the transformers path's selection
 POOL = 200  # KV blocks of the fp32 engine (vLLM's null block included)
 
 
@@ -192,17 +193,18 @@ def test_budget_above_every_request_equals_plain_vllm(untouched_runs):
 def baseline_runs(engines_dir, prompts):
     return run_engines(engines_dir, {method: {"dtype": "float32", "trikv": _trikv_settings(method),
                                               "batches": [{"prompts": prompts[1:], "max_tokens": 80}]}
-                                     for method in ("streaming", "knorm")})
+                                     for method in QUERY_FREE})
 
 
-@pytest.mark.parametrize("method", ["streaming", "knorm"])
-def test_query_free_baselines_keep_what_transformers_keeps(real_model, baseline_runs, method):
+@pytest.mark.parametrize("method", QUERY_FREE)
+def test_query_free_methods_keep_what_transformers_keeps(real_model, baseline_runs, method):
     model, _ = real_model
+    stats = trikv.load_stats("smollm2-135m", model) if method.startswith("triattention") else None
     run = baseline_runs[method]
     for request in run["batches"][0]["requests"]:
         rounds = _rounds_of(run, request["request_id"])
         assert rounds
-        report = replay(model, method, request, rounds, tie=1e-3)
+        report = replay(model, method, request, rounds, tie=1e-3, stats=stats)
         assert report["predictions"] == request["tokens"]
 
 

@@ -26,6 +26,7 @@ from .vatp import VATP
 from .tam import PAM, TAM, SelectorWindow
 from .hybrid import TriAttentionAM
 from .tri_window import TriAttentionWindow
+from .tri_dedup import TriAttentionDedup
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,8 @@ register("triattention-union", TriAttention, "reference global mode: union of ev
 register("triattention-window", TriAttentionWindow)
 register("triattention-recent", TriAttention, "triattention + the 32 most recent tokens protected (triattention-window's "
          "window without its attention term)", recent_window=32)
+# beyond the paper: the statistics' ranking + R-KV's penalty on near-duplicate keys (repeated lines)
+register("triattention-dedup", TriAttentionDedup)
 register("streaming", StreamingLLM)
 # decode-time versions on the same cache, budget, trigger and prompt protection
 register("h2o", H2O)
@@ -148,4 +151,6 @@ __all__ = [
     "PAM",
     "SelectorWindow",
     "TriAttentionAM",
+    "TriAttentionWindow",
+    "TriAttentionDedup",
 ]

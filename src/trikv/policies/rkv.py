@@ -11,13 +11,13 @@ from .base import ScoringContext
 from .snapkv import window_importance
 
 
-def redundancy(keys: torch.Tensor, positions: torch.Tensor, threshold: float) -> torch.Tensor:
-    """[L, b, Hkv, N] R-KV redundancy: softmax over keys of their mean cosine similarity to the others.
+def mean_similarity(keys: torch.Tensor, positions: torch.Tensor, threshold: float) -> torch.Tensor:
+    """[L, b, Hkv, N] each key's mean cosine similarity to the other live keys of its (layer, row, KV head).
 
-    Per (layer, row, KV head), over live keys only: S = cosine similarity with a zero diagonal; in every
-    row i the entry of the most recent key j with S_ij > threshold is zeroed, which leaves the newest copy
-    of a group of near-duplicates the least redundant; r = softmax_j(mean_i S_ij). Where a row has no
-    near-duplicate nothing is zeroed (the reference code zeroes column 0 there, an artefact we drop).
+    S = cosine similarity with a zero diagonal, over live keys only; in every row i the entry of the most
+    recent key j with S_ij > threshold is zeroed, which leaves the newest copy of a group of near-duplicates
+    the least redundant; the result is mean_i S_ij. Where a row has no near-duplicate nothing is zeroed (the
+    R-KV reference zeroes column 0 there, an artefact we drop). Dead slots get 0.
     Memory: the N x N similarity of a layer chunk at a time.
     """
     L, b, Hkv, N, D = keys.shape
@@ -39,9 +39,13 @@ def redundancy(keys: torch.Tensor, positions: torch.Tensor, threshold: float) ->
         zero = torch.zeros_like(similarity, dtype=torch.bool).scatter_(-1, newest, has_near)
         similarity = similarity.masked_fill(zero, 0.0)
         rows = live.sum(-1, keepdim=True).clamp_min(1)  # [l, b, Hkv, 1]
-        mean_similarity = similarity.sum(-2) / rows
-        result[layers] = masked_softmax(mean_similarity, live)
+        result[layers] = similarity.sum(-2) / rows
     return result
+
+
+def redundancy(keys: torch.Tensor, positions: torch.Tensor, threshold: float) -> torch.Tensor:
+    """[L, b, Hkv, N] R-KV redundancy: softmax over the live keys of their `mean_similarity`."""
+    return masked_softmax(mean_similarity(keys, positions, threshold), positions >= 0)
 
 
 @dataclass
