@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 common=(--task fidelity --texts python-reference,math-solutions --text-tokens 4096 --horizons 128,512,1024,2048
         --recall-stride 8 --threads 1 --no-progress)
 trikv bench quality "${common[@]}" --model qwen2.5-coder-0.5b --budgets 128,410 \
-  --methods full,triattention,triattention-window,triattention-recent,snapkv,rkv,h2o,streaming \
+  --methods full,triattention,triattention-window,triattention-recent,triattention-dedup,snapkv,rkv,h2o,streaming,tova,knorm,tam-shared,pam-shared \
   --out runs/quality/qwen2.5-coder-0.5b-fidelity
 trikv bench quality "${common[@]}" --model qwen2.5-coder-1.5b --budgets 410 \
   --methods full,triattention,triattention-window,snapkv,rkv,h2o,streaming \
@@ -25,15 +25,15 @@ trikv bench quality --task needle --model qwen2.5-coder-0.5b --needle-lengths 81
   --methods full,triattention,triattention-window,snapkv,h2o --budgets 256 --threads 1 --no-progress \
   --out runs/quality/qwen2.5-coder-0.5b-needle-8k
 trikv bench quality --task needle --model qwen2.5-coder-1.5b --needle-lengths 2048,4096 --needle-depths 0.25,0.75 \
-  --methods full,triattention,snapkv,h2o,streaming --budgets 256 --dtype bfloat16 --threads 2 --no-progress \
+  --methods full,triattention,triattention-dedup,snapkv,h2o,streaming --budgets 256 --dtype bfloat16 --threads 2 --no-progress \
   --out runs/quality/qwen2.5-coder-1.5b-needle
-trikv bench quality --task dfs --model qwen2.5-coder-1.5b --methods full,triattention,triattention-window,snapkv,rkv,h2o,streaming \
+trikv bench quality --task dfs --model qwen2.5-coder-1.5b --methods full,triattention,triattention-window,triattention-dedup,snapkv,rkv,h2o,streaming \
   --budgets 128 --dfs-graphs 6 --dfs-nodes 10,20 --dfs-ks 4,8,16,24 --dtype bfloat16 --threads 2 --no-progress \
   --out runs/quality/qwen2.5-coder-1.5b-dfs
 # MATH-500 subset on the 1.5B: 32 held-out rows greedy in one batch, bfloat16 (~0.6 s per decode step of 32 rows on
 # 2 cores with AMX; ~10-17 min per cell, one job at a time); at B=256 a 1,024-token answer overruns the budget ~4x
 trikv bench quality --task math --model qwen2.5-coder-1.5b --budgets 256 \
-  --methods full,triattention,triattention-window,triattention-recent,rkv,snapkv,streaming \
+  --methods full,triattention,triattention-window,triattention-recent,triattention-dedup,rkv,snapkv,streaming \
   --limit 32 --samples 1 --math-batch 32 --temperature 0 --max-new-tokens 1024 --dtype bfloat16 --threads 2 --no-progress \
   --out runs/quality/qwen2.5-coder-1.5b-math
 trikv bench quality --methods full,triattention,triattention-window,snapkv,streaming --threads 1 --no-progress \

@@ -441,7 +441,7 @@ class CompressedCache(Cache):
             biases=view.biases,
             tokens=self._position_tokens(),
         )
-        scores = self.policy.score(context).float()  # [L, b, Hkv, N]
+        scores = self._score_due_rows(context, due)  # [L, b, Hkv, N]
         scores = scores.masked_fill(protected, float("inf")).masked_fill(dead, float("-inf"))
         counts = self.policy.allocate(scores, context) if self.policy.variable_budgets else None
         keep = torch.where(row_due, top_entries(scores, budget, counts) & ~dead, ~dead)  # rows not due keep all live entries
@@ -461,6 +461,22 @@ class CompressedCache(Cache):
             self.policy.after_round(order)  # per-slot policy state follows the kept slots
         self.rounds += 1
         self.scoring_seconds += time.perf_counter() - started
+
+    def _score_due_rows(self, context: ScoringContext, due: torch.Tensor) -> torch.Tensor:
+        """The policy's scores [L, b, Hkv, N] (float32); rows not due get 0 (they keep every live entry).
+
+        Rows of a batch reach the trigger at different steps (prompts differ in length), so scoring every
+        row whenever one is due would repeat the work up to once per row; policies whose rows score
+        independently are given the due rows only.
+        """
+        policy = self.policy
+        rows = due.nonzero().squeeze(1)
+        independent = policy.scores_rows_independently and not (policy.observes or policy.compacts or policy.variable_budgets)
+        if not independent or rows.numel() == due.numel():
+            return policy.score(context).float()
+        L, b, Hkv, N = context.positions.shape
+        scores = torch.zeros(L, b, Hkv, N, dtype=torch.float32, device=context.positions.device)
+        return scores.index_copy_(1, rows, policy.score(context.rows(rows)).float())
 
     # ---- generate() plumbing ---------------------------------------------------------------------
     @property

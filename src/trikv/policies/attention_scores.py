@@ -206,6 +206,8 @@ class ObservationWindowPolicy(QueryAttentionPolicy):
     """A policy scored by the attention of the last `window_size` queries, whose tokens it also protects
     (SnapKV, R-KV and the methods built on them)."""
 
+    scores_rows_independently = True
+
     window_size: int = 8
 
     def __post_init__(self):

@@ -34,6 +34,19 @@ class ScoringContext:
     biases: torch.Tensor | None = None  # [L, b, Hkv, N] float32
     tokens: torch.Tensor | None = None  # [b, T] long
 
+    def rows(self, index: torch.Tensor) -> "ScoringContext":
+        """The same context restricted to the batch rows `index` [r] (copies)."""
+
+        def take(tensor: torch.Tensor | None, dim: int) -> torch.Tensor | None:
+            return None if tensor is None else tensor.index_select(dim, index.to(tensor.device))
+
+        return ScoringContext(
+            keys=take(self.keys, 1), values=take(self.values, 1), positions=take(self.positions, 1),
+            candidates=take(self.candidates, 1), current_position=take(self.current_position, 0), budget=self.budget,
+            queries=take(self.queries, 1), query_positions=take(self.query_positions, 0),
+            protected=take(self.protected, 1), biases=take(self.biases, 1), tokens=take(self.tokens, 0),
+        )
+
 
 @dataclass
 class ObservationContext:
@@ -59,6 +72,10 @@ class Policy:
     rule: ClassVar[str] = ""
     evicts: ClassVar[bool] = True
     recent_window: int = 0  # most recent tokens that are never evicted
+    # True when a row's scores depend on that row of the context alone (no per-row state): the cache then
+    # scores only the rows that are due, which in a batch whose rows reach the trigger at different steps
+    # saves up to a factor of the batch size
+    scores_rows_independently: ClassVar[bool] = False
 
     def bind(self, model: torch.nn.Module, shape: ModelShape) -> None:
         """Called once by the cache; validate against the model and precompute what scoring needs."""

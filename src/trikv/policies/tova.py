@@ -26,6 +26,7 @@ class TOVA(QueryAttentionPolicy):
 
     name = "tova"
     rule = "attention of the newest query averaged over all heads of the layer (layer-wise top-B)"
+    scores_rows_independently = True
     schedule: str = "shared"
 
     query_window = 1

@@ -35,6 +35,7 @@ class TriAttention(Policy):
 
     name = "triattention"
     rule = "trigonometric series of calibrated pre-RoPE query centres + norm term; top-B per (layer, KV head)"
+    scores_rows_independently = True
     stats: QueryStats | None = None
     max_offset: int = 65536
     offset_spacing: str = "geometric"
