@@ -180,6 +180,32 @@ def test_scoring_ahead_is_used_and_changes_nothing():
     assert all(done == 0 for done, _ in off.calls)
 
 
+def test_scoring_ahead_only_where_the_rows_are_due_together():
+    """Rows of different prompt lengths are due at different steps and each round scores its due rows alone,
+    so scoring the whole batch ahead would be wasted; rows due together are scored ahead."""
+    model = tiny_model("llama")
+    stats = tiny_stats(model)
+    ahead_calls = []
+    original = FastTriScorer.ahead
+
+    def spy(self, *args):
+        ahead_calls.append(1)
+        return original(self, *args)
+
+    FastTriScorer.ahead = spy
+    try:
+        for lengths, together in (((30, 30), True), ((30, 21), False)):
+            ahead_calls.clear()
+            cache = trikv.make_cache(model, "triattention", budget=24, divide_length=16, stats=stats)
+            prompts = [list(range(3, 3 + n)) for n in lengths]
+            trikv.generate(model, _Tokenizer(), prompts, cache=cache, max_new_tokens=60, min_new_tokens=60, engine="lean")
+            assert cache.rounds >= 3
+            assert cache.schedule.aligned is together
+            assert bool(ahead_calls) is together
+    finally:
+        FastTriScorer.ahead = original
+
+
 @pytest.mark.parametrize("layout", ["half", "interleaved"])
 def test_fast_scorer_matches_reference_scorer(layout):
     torch.manual_seed(0)

@@ -462,6 +462,12 @@ class CompressedCache(Cache):
         self.rounds += 1
         self.scoring_seconds += time.perf_counter() - started
 
+    @property
+    def scores_due_rows_only(self) -> bool:
+        """A round scores only the rows that are due (the policy's rows score independently)."""
+        policy = self.policy
+        return policy.scores_rows_independently and not (policy.observes or policy.compacts or policy.variable_budgets)
+
     def _score_due_rows(self, context: ScoringContext, due: torch.Tensor) -> torch.Tensor:
         """The policy's scores [L, b, Hkv, N] (float32); rows not due get 0 (they keep every live entry).
 
@@ -471,8 +477,7 @@ class CompressedCache(Cache):
         """
         policy = self.policy
         rows = due.nonzero().squeeze(1)
-        independent = policy.scores_rows_independently and not (policy.observes or policy.compacts or policy.variable_budgets)
-        if not independent or rows.numel() == due.numel():
+        if not self.scores_due_rows_only or rows.numel() == due.numel():
             return policy.score(context).float()
         L, b, Hkv, N = context.positions.shape
         scores = torch.zeros(L, b, Hkv, N, dtype=torch.float32, device=context.positions.device)

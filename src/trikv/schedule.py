@@ -24,14 +24,16 @@ class RoundSchedule:
     divide_length: int
     excess: int = 0  # physical slots ahead of the earliest-due row's live entries
     base: torch.Tensor | None = None  # [b] long: live entries right after each row's last round (None: budget)
+    aligned: bool = True  # every row reaches its trigger at the same step (False: rows are due one after another)
 
     def reset(self) -> None:
-        self.excess, self.base = 0, None
+        self.excess, self.base, self.aligned = 0, None, True
 
     def start(self, pad_lengths: torch.Tensor | None) -> None:
         """The first forward: left-padding slots are dead from the start, so no row can be due before the
         physical length passes the trigger by the smallest padding."""
         self.excess = 0 if pad_lengths is None else int(pad_lengths.min())
+        self.aligned = pad_lengths is None or bool((pad_lengths == pad_lengths[0]).all())
 
     def due(self, length: int) -> bool:
         """Some row has reached its trigger (length = physical slots stored)."""
@@ -60,6 +62,7 @@ class RoundSchedule:
         self.base = torch.where(due, live_after, base)
         until_due = self.base + self.divide_length - live_after  # [b] tokens before each row is due
         self.excess = new_length + int(until_due.min()) - (self.budget + self.divide_length)
+        self.aligned = bool((until_due == until_due[0]).all())
 
     def select_rows(self, index: torch.Tensor) -> None:
         if self.base is not None:

@@ -50,7 +50,8 @@ class FastTriScorer(TriScorer):
     budget + slack, i.e. after a known number of decode steps). Between two rounds, `spread_step` (called
     by the cache before every decode forward) scores a slice of the stored slots for that future t, so that
     the round itself only scores the one or two newest slots and selects. The selection, the z-scores and
-    the compaction are unchanged; the scores are the same numbers a round-time computation gives.
+    the compaction are unchanged; the scores are the same numbers a round-time computation gives. In a batch
+    whose rows are due at different steps a round scores only its due rows, so nothing is scored ahead.
     """
 
     spread = True
@@ -178,6 +179,7 @@ def spread_step(cache) -> None:
     if (
         not isinstance(scorer, FastTriScorer) or not scorer.spread or scorer.offset_aggregation != "mean"
         or cache.budget is None or cache.layout != "uniform" or cache.batch_size < 0
+        or (not cache.schedule.aligned and cache.scores_due_rows_only)  # rounds score their due rows alone
     ):
         return
     steps_left = cache.schedule.steps_until_due(cache.length)  # decode forwards before the round's
