@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The quality runs on the bigger offline models behind docs/results.md (resumable: rerun to continue).
 # Statistics: scripts/make_calibration_text.py --model M then `trikv calibrate` (shipped in src/trikv/data/stats).
-# Times on 2 CPU cores, one thread per run: ~35 min for the 0.5B fidelity grid, ~45 min for each 1.5B one
+# Times on 2 CPU cores, one thread per run: ~35 min for 8 methods of the 0.5B fidelity grid (~30 min more for the
+# other 5, two threads, alone), ~45 min for each 1.5B one
 # (two at once), ~10 min for the needle run, ~35 min for the quick preset under that load; the 1.5B needle,
 # DFS and math runs use bfloat16 with two threads, alone on the machine (~4 min, ~15 min, ~85 min).
 set -euo pipefail
@@ -31,9 +32,9 @@ trikv bench quality --task dfs --model qwen2.5-coder-1.5b --methods full,triatte
   --budgets 128 --dfs-graphs 6 --dfs-nodes 10,20 --dfs-ks 4,8,16,24 --dtype bfloat16 --threads 2 --no-progress \
   --out runs/quality/qwen2.5-coder-1.5b-dfs
 # MATH-500 subset on the 1.5B: 32 held-out rows greedy in one batch, bfloat16 (~0.6 s per decode step of 32 rows on
-# 2 cores with AMX; ~10-17 min per cell, one job at a time); at B=256 a 1,024-token answer overruns the budget ~4x
+# 2 cores with AMX; ~10-18 min per cell, one job at a time); at B=256 a 1,024-token answer overruns the budget ~4x
 trikv bench quality --task math --model qwen2.5-coder-1.5b --budgets 256 \
-  --methods full,triattention,triattention-window,triattention-recent,triattention-dedup,rkv,snapkv,streaming \
+  --methods full,triattention,triattention-window,triattention-recent,triattention-dedup,triattention-dedup-only,rkv,snapkv,streaming \
   --limit 32 --samples 1 --math-batch 32 --temperature 0 --max-new-tokens 1024 --dtype bfloat16 --threads 2 --no-progress \
   --out runs/quality/qwen2.5-coder-1.5b-math
 trikv bench quality --methods full,triattention,triattention-window,snapkv,streaming --threads 1 --no-progress \

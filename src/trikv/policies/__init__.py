@@ -67,6 +67,8 @@ register("triattention-recent", TriAttention, "triattention + the 32 most recent
          "window without its attention term)", recent_window=32)
 # beyond the paper: the statistics' ranking + R-KV's penalty on near-duplicate keys (repeated lines)
 register("triattention-dedup", TriAttentionDedup)
+register("triattention-dedup-only", TriAttentionDedup, "ablation: triattention-dedup's redundancy term without its recent window",
+         recent_window=0)
 register("streaming", StreamingLLM)
 # decode-time versions on the same cache, budget, trigger and prompt protection
 register("h2o", H2O)
