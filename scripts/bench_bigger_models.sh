@@ -14,10 +14,10 @@ trikv bench quality "${common[@]}" --model qwen2.5-coder-0.5b --budgets 128,410 
   --methods full,triattention,triattention-window,triattention-recent,triattention-dedup,snapkv,rkv,h2o,streaming,tova,knorm,tam-shared,pam-shared \
   --out runs/quality/qwen2.5-coder-0.5b-fidelity
 trikv bench quality "${common[@]}" --model qwen2.5-coder-1.5b --budgets 410 \
-  --methods full,triattention,triattention-window,snapkv,rkv,h2o,streaming \
+  --methods full,triattention,triattention-window,triattention-dedup,snapkv,rkv,h2o,streaming \
   --out runs/quality/qwen2.5-coder-1.5b-fidelity
 trikv bench quality "${common[@]}" --model qwen2.5-coder-1.5b --budgets 128 \
-  --methods full,triattention,triattention-window,snapkv,rkv,h2o \
+  --methods full,triattention,triattention-window,triattention-dedup,snapkv,rkv,h2o \
   --out runs/quality/qwen2.5-coder-1.5b-fidelity-b128
 trikv bench quality --task needle --model qwen2.5-coder-0.5b --needle-lengths 2048,4096 --needle-depths 0.25,0.75 \
   --methods full,triattention,triattention-window,snapkv,h2o,streaming --budgets 256 --threads 1 --no-progress \
