@@ -12,6 +12,7 @@ import torch
 
 import trikv
 from trikv.benchmarks.quality.fidelity import FidelityTask
+from trikv.policies import REGISTRY
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -33,3 +34,14 @@ def calibration_task(tokens: int, prompt: int, model_name: str = "smollm2-135m")
     task = FidelityTask(model, ids, prompt_length=prompt, max_chunk=128, recall_stride=8)
     task.run_reference(recall=False)
     return model, stats, ids, task
+
+
+def measure_kl(model, stats, task, method: str, budgets: list[int], divide_length: int, **options) -> dict:
+    """Teacher-forced KL(full || method) and top-1 agreement at each budget, and the KL averaged over budgets."""
+    rows = {}
+    for budget in budgets:
+        extra = {"stats": stats} if REGISTRY[method].needs_stats else {}
+        cache = trikv.make_cache(model, method, budget=budget, divide_length=divide_length, **extra, **options)
+        metrics, _ = task.run_method(cache)
+        rows[str(budget)] = {"kl": metrics["kl"], "top1_agreement": metrics["top1_agreement"]}
+    return {"by_budget": rows, "mean_kl": sum(row["kl"] for row in rows.values()) / len(rows)}

@@ -17,10 +17,8 @@ import os
 import time
 
 import torch
-from calibration_task import ROOT, calibration_task, calibration_text
+from calibration_task import ROOT, calibration_task, calibration_text, measure_kl
 
-import trikv
-from trikv.policies import REGISTRY
 
 OUT = ROOT / "src/trikv/data/calibration/triattention-dedup-weight.json"
 
@@ -39,15 +37,7 @@ def main() -> None:
     started = time.perf_counter()
 
     def measure(method: str, **options) -> dict:
-        rows = {}
-        for budget in budgets:
-            if REGISTRY[method].needs_stats:
-                options = {"stats": stats, **options}
-            cache = trikv.make_cache(model, method, budget=budget, divide_length=args.divide_length, **options)
-            metrics, _ = task.run_method(cache)
-            rows[str(budget)] = {"kl": metrics["kl"], "top1_agreement": metrics["top1_agreement"]}
-        mean_kl = sum(row["kl"] for row in rows.values()) / len(rows)
-        return {"by_budget": rows, "mean_kl": mean_kl}
+        return measure_kl(model, stats, task, method, budgets, args.divide_length, **options)
 
     references = {}
     for name in ("triattention", "rkv"):

@@ -17,7 +17,7 @@ import os
 import time
 
 import torch
-from calibration_task import ROOT, TEXT, calibration_task
+from calibration_task import ROOT, TEXT, calibration_task, measure_kl
 
 import trikv
 
@@ -37,13 +37,7 @@ def main() -> None:
     started = time.perf_counter()
 
     def measure(method: str, **options) -> dict:
-        rows = {}
-        for budget in budgets:
-            cache = trikv.make_cache(model, method, budget=budget, divide_length=args.divide_length, stats=stats, **options)
-            metrics, _ = task.run_method(cache)
-            rows[str(budget)] = {"kl": metrics["kl"], "top1_agreement": metrics["top1_agreement"]}
-        mean_kl = sum(row["kl"] for row in rows.values()) / len(rows)
-        return {"by_budget": rows, "mean_kl": mean_kl}
+        return measure_kl(model, stats, task, method, budgets, args.divide_length, **options)
 
     baseline = measure("triattention")
     sweep = []
