@@ -19,7 +19,6 @@ import time
 import torch
 from calibration_task import ROOT, TEXT, calibration_task, measure_kl
 
-import trikv
 
 OUT = ROOT / "src/trikv/data/calibration/triattention-window-weight.json"
 
