@@ -45,3 +45,14 @@ def measure_kl(model, stats, task, method: str, budgets: list[int], divide_lengt
         metrics, _ = task.run_method(cache)
         rows[str(budget)] = {"kl": metrics["kl"], "top1_agreement": metrics["top1_agreement"]}
     return {"by_budget": rows, "mean_kl": sum(row["kl"] for row in rows.values()) / len(rows)}
+
+
+def sweep_option(measure, method: str, option: str, weights: str) -> tuple[list[dict], dict]:
+    """measure(method, **{option: w}) for each comma-separated weight; (the sweep, the entry of lowest mean KL)."""
+    sweep = []
+    for weight in [float(w) for w in weights.split(",")]:
+        result = measure(method, **{option: weight})
+        sweep.append({option: weight, **result})
+        print(f"{option} {weight:g}: mean KL {result['mean_kl']:.4f}", flush=True)
+    best = min(sweep, key=lambda row: row["mean_kl"])
+    return sweep, {option: best[option], "mean_kl": best["mean_kl"]}

@@ -17,7 +17,7 @@ import os
 import time
 
 import torch
-from calibration_task import ROOT, calibration_task, calibration_text, measure_kl
+from calibration_task import ROOT, calibration_task, calibration_text, measure_kl, sweep_option
 
 
 OUT = ROOT / "src/trikv/data/calibration/triattention-dedup-weight.json"
@@ -43,12 +43,7 @@ def main() -> None:
     for name in ("triattention", "rkv"):
         references[name] = measure(name)
         print(f"{name}: mean KL {references[name]['mean_kl']:.4f} ({time.perf_counter() - started:.0f} s)", flush=True)
-    sweep = []
-    for weight in [float(w) for w in args.weights.split(",")]:
-        result = measure("triattention-dedup", redundancy_weight=weight)
-        sweep.append({"redundancy_weight": weight, **result})
-        print(f"redundancy_weight {weight:g}: mean KL {result['mean_kl']:.4f}", flush=True)
-    best = min(sweep, key=lambda row: row["mean_kl"])
+    sweep, best = sweep_option(measure, "triattention-dedup", "redundancy_weight", args.weights)
     record = {
         "command": f"python scripts/tune_dedup_weight.py --model {args.model} --tokens {args.tokens} "
                    f"--budgets {args.budgets} --divide-length {args.divide_length} --weights {args.weights}",
@@ -56,7 +51,7 @@ def main() -> None:
                 f"the shipped {args.model} statistics' calibration text",
         "budgets": budgets, "divide_length": args.divide_length, "dtype": "float32",
         **references, "sweep": sweep,
-        "best": {"redundancy_weight": best["redundancy_weight"], "mean_kl": best["mean_kl"]},
+        "best": best,
         "seconds": time.perf_counter() - started,
     }
     OUT.write_text(json.dumps(record, indent=2) + "\n")

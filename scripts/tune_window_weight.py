@@ -17,7 +17,7 @@ import os
 import time
 
 import torch
-from calibration_task import ROOT, TEXT, calibration_task, measure_kl
+from calibration_task import ROOT, TEXT, calibration_task, measure_kl, sweep_option
 
 
 OUT = ROOT / "src/trikv/data/calibration/triattention-window-weight.json"
@@ -39,18 +39,13 @@ def main() -> None:
         return measure_kl(model, stats, task, method, budgets, args.divide_length, **options)
 
     baseline = measure("triattention")
-    sweep = []
-    for weight in [float(w) for w in args.weights.split(",")]:
-        result = measure("triattention-window", window_weight=weight)
-        sweep.append({"window_weight": weight, **result})
-        print(f"window_weight {weight:g}: mean KL {result['mean_kl']:.4f}", flush=True)
-    best = min(sweep, key=lambda row: row["mean_kl"])
+    sweep, best = sweep_option(measure, "triattention-window", "window_weight", args.weights)
     record = {
         "command": f"python scripts/tune_window_weight.py --tokens {args.tokens} --budgets {args.budgets} "
                    f"--divide-length {args.divide_length} --weights {args.weights}",
         "text": f"{TEXT.name}, first {ids.shape[1]} tokens (prompt {args.prompt}); the bundled statistics' calibration text",
         "budgets": budgets, "divide_length": args.divide_length,
-        "triattention": baseline, "sweep": sweep, "best": {"window_weight": best["window_weight"], "mean_kl": best["mean_kl"]},
+        "triattention": baseline, "sweep": sweep, "best": best,
         "seconds": time.perf_counter() - started,
     }
     OUT.write_text(json.dumps(record, indent=2) + "\n")
