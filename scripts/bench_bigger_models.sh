@@ -37,9 +37,16 @@ trikv bench quality --task math --model qwen2.5-coder-1.5b --budgets 256 \
   --methods full,triattention,triattention-window,triattention-recent,triattention-dedup,triattention-dedup-only,rkv,snapkv,streaming \
   --limit 32 --samples 1 --math-batch 32 --temperature 0 --max-new-tokens 1024 --dtype bfloat16 --threads 2 --no-progress \
   --out runs/quality/qwen2.5-coder-1.5b-math
+# the same protocol on 96 problems for the methods the targets compare (three batches of 32; reuses the first 32
+# problems' answers: copy the 32-problem folder first, then --limit 96 answers only problems 33-96, ~8-18 min a batch)
+[ -d runs/quality/qwen2.5-coder-1.5b-math-96 ] || cp -r runs/quality/qwen2.5-coder-1.5b-math runs/quality/qwen2.5-coder-1.5b-math-96
+trikv bench quality --task math --model qwen2.5-coder-1.5b --budgets 256 \
+  --methods full,triattention-dedup,rkv,triattention,snapkv,streaming \
+  --limit 96 --samples 1 --math-batch 32 --temperature 0 --max-new-tokens 1024 --dtype bfloat16 --threads 2 --no-progress \
+  --out runs/quality/qwen2.5-coder-1.5b-math-96
 trikv bench quality --methods full,triattention,triattention-window,snapkv,streaming --threads 1 --no-progress \
   --out runs/quality-quick
 trikv bench report runs/quality-quick runs/quality/qwen2.5-coder-0.5b-fidelity runs/quality/qwen2.5-coder-1.5b-fidelity \
   runs/quality/qwen2.5-coder-1.5b-fidelity-b128 runs/quality/qwen2.5-coder-0.5b-needle runs/quality/qwen2.5-coder-0.5b-needle-8k \
   runs/quality/qwen2.5-coder-1.5b-needle runs/quality/qwen2.5-coder-1.5b-dfs runs/quality/qwen2.5-coder-1.5b-math \
-  --out docs/results.md
+  runs/quality/qwen2.5-coder-1.5b-math-96 --out docs/results.md

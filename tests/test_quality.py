@@ -627,7 +627,29 @@ def test_math_run_reports_its_decoding(tokenizer, tmp_path):
     fake = lambda solved: math_task.summarise([{"id": q, "correct": q == solved, "tokens": 5} for q in ids])
     math["full"]["full"], math["streaming"]["32"] = fake(ids[0]), fake(ids[1])
     paired = [line for line in text_tables(record).splitlines() if line.lstrip().startswith("32")]
-    assert paired and paired[-1].split() == ["32", "streaming", "0.500", "+0.0", "+1", "/", "-1"]
+    assert paired and paired[-1].split() == ["32", "streaming", "0.500", "+0.0", "+1", "/", "-1", "1.00"]
+    # a TriAttention variant is set against each baseline, problem by problem
+    record["config"]["methods"].append("triattention-dedup")
+    math["triattention-dedup"] = {"32": fake(ids[0])}
+    against = text_tables(record).split("each TriAttention variant against each baseline")[1].splitlines()
+    assert [line.split() for line in against if "triattention-dedup" in line] == [
+        ["32", "triattention-dedup", "streaming", "+0.0", "+1", "/", "-1", "1.00"]]
+
+
+def test_sign_test_matches_counting_every_outcome():
+    """The exact sign test against its definition: the share of all 2^n win/loss sequences whose split is at
+    least as uneven as the observed one."""
+    import itertools
+
+    from trikv.benchmarks.quality.report import sign_test
+
+    for wins, losses in ((0, 4), (2, 1), (1, 9), (5, 5), (7, 2), (0, 1), (3, 0)):
+        n = wins + losses
+        observed = abs(wins - n / 2)
+        extreme = sum(abs(sum(signs) - n / 2) >= observed for signs in itertools.product((0, 1), repeat=n))
+        assert sign_test(wins, losses) == pytest.approx(extreme / 2 ** n)
+    assert sign_test(0, 0) == 1.0
+    assert sign_test(0, 4) == pytest.approx(0.125)
 
 
 @pytest.mark.real_model
@@ -654,6 +676,43 @@ def test_a_run_extends_its_grid_and_refuses_another_setup(tokenizer, tmp_path):
     assert set(record["results"]["math"]["math500"]["h2o"]) == {"32", "48"}
     with pytest.raises(ValueError, match="another configuration .*math_max_new_tokens"):
         run(config_from_preset("quick", methods=["full", "streaming"], budgets=[32], **(setup | {"math_max_new_tokens": 4})))
+
+
+@pytest.mark.real_model
+def test_a_math_run_extends_to_more_problems_answering_only_the_new_ones(tokenizer, tmp_path, monkeypatch):
+    """A larger --limit in the same folder answers only the problems the cells do not hold yet (with the seeds
+    and batches a fresh run would give them) and reports the same as a fresh run; a smaller one answers nothing
+    and reports the first problems only."""
+    from trikv.benchmarks.quality import math_task
+    from trikv.benchmarks.quality.runner import config_from_preset, run_quality
+
+    model = tiny_model(vocab_size=len(tokenizer))
+    answered, original = [], math_task.run_math
+    def counting_run_math(*args, **kwargs):
+        answered.append(([p["id"] for p in args[5]], kwargs["first_index"]))
+        return original(*args, **kwargs)
+    monkeypatch.setattr(math_task, "run_math", counting_run_math)
+    setup = dict(tasks=["math"], methods=["full", "streaming"], budgets=[32], math_samples=1, math_max_new_tokens=4,
+                 math_temperature=0.0, math_batch=2)
+    logged = []
+    run = lambda folder, limit: run_quality(config_from_preset("quick", math_limit=limit, **setup), folder, model=model,
+                                           tokenizer=tokenizer, progress=False, log=logged.append)
+    ids = [p["id"] for p in math_task.load_problems("math500", limit=4)]
+    run(tmp_path / "grown", 2)
+    assert answered == [(ids[:2], 0)] * 2
+    first = (tmp_path / "grown" / "units" / "math-math500__streaming__32.json").read_text()
+    answered.clear()
+    grown = run(tmp_path / "grown", 4)
+    assert answered == [(ids[2:], 2)] * 2
+    assert any("math problems 2 -> 4" in line for line in logged)
+    records = json.loads((tmp_path / "grown" / "units" / "math-math500__streaming__32.json").read_text())["records"]
+    assert records[:2] == json.loads(first)["records"] and [r["id"] for r in records] == ids
+    fresh = run(tmp_path / "fresh", 4)
+    assert grown["results"]["math"]["math500"] == fresh["results"]["math"]["math500"]
+    answered.clear()
+    shrunk = run(tmp_path / "grown", 1)
+    assert answered == []
+    assert shrunk["results"]["math"]["math500"]["streaming"]["32"]["by_problem"].keys() == {ids[0]}
 
 
 def test_math_and_dtype_settings_are_checked_and_fingerprinted():

@@ -57,7 +57,7 @@ def add_quality_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--needle-depths", type=_floats, default=None, help="0..1, e.g. 0,0.25,0.5,0.75,1")
     group = parser.add_argument_group("math")
     group.add_argument("--math-datasets", type=_names, default=None, help="math500,aime24,aime25")
-    group.add_argument("--limit", type=int, default=None, help="first N problems of each dataset")
+    group.add_argument("--limit", type=int, default=None, help="first N problems of each dataset (a larger N in the same --out answers only the new problems)")
     group.add_argument("--samples", type=int, default=None, help="samples per problem (pass@1 = their mean)")
     group.add_argument("--max-new-tokens", type=int, default=None)
     group.add_argument("--math-engine", default=None, choices=["lean", "transformers"],

@@ -59,13 +59,14 @@ def load_problems(name: str, limit: int | None = None) -> list[dict]:
 def run_math(model, tokenizer, method: str, budget: int | None, method_options: dict, problems: list[dict], samples: int,
              max_new_tokens: int, seed: int, temperature: float = 0.6, top_p: float = 0.95, divide_length: int = 128,
              chat: bool = True, timeout: float = 3.0, progress=None, engine: str = "transformers",
-             problems_per_batch: int = 1) -> list[dict]:
+             problems_per_batch: int = 1, first_index: int = 0) -> list[dict]:
     """Answer each problem `samples` times and grade the answers.
 
     temperature 0 decodes greedily (then `top_p` is unused). `problems_per_batch` problems share one left-padded
     batch of `problems_per_batch * samples` rows (a decode step costs little more for more rows, so this is the
     throughput setting); the sampling seed is `seed` + the index of the batch's first problem, so with one
-    problem per batch each problem has its own seed whatever else runs.
+    problem per batch each problem has its own seed whatever else runs. `first_index` is the index of
+    `problems[0]` in the whole problem list, for a run that continues one that answered the earlier problems.
     """
     from ...generation import generate
 
@@ -79,7 +80,7 @@ def run_math(model, tokenizer, method: str, budget: int | None, method_options: 
         group = problems[first:first + problems_per_batch]
         result = generate(
             model, tokenizer, [problem["prompt"] for problem in group for _ in range(samples)], method=method,
-            budget=budget, max_new_tokens=max_new_tokens, seed=seed + first, chat=chat, divide_length=divide_length,
+            budget=budget, max_new_tokens=max_new_tokens, seed=seed + first_index + first, chat=chat, divide_length=divide_length,
             engine=engine, **sampling, **method_options,
         )
         for row, text in enumerate(result.texts):

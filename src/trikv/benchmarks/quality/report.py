@@ -168,14 +168,41 @@ def sections(record: dict, markdown: bool) -> list[tuple[str, str]]:
             paired = _math_paired(record, table)
             if paired:
                 out.append((f"Math {dataset}: each method against full attention on the same problems (points; +/-: "
-                            "problems it solves that full does not / full solves that it does not)",
-                            render(["budget", "method", "pass@1", "vs full", "+/- vs full", "triattention minus it"], paired, markdown)))
+                            "problems it solves that full does not / full solves that it does not; p: two-sided exact "
+                            "sign test on the problems where they differ)",
+                            render(["budget", "method", "pass@1", "vs full", "+/- vs full", "p", "triattention minus it"],
+                                   paired, markdown)))
+            against = _math_variants_against_baselines(record, table)
+            if against:
+                out.append((f"Math {dataset}: each TriAttention variant against each baseline on the same problems "
+                            "(points; +/-: problems only the variant / only the baseline solves; p: exact sign test)",
+                            render(["budget", "variant", "baseline", "points", "+/-", "p"], against, markdown)))
     return out
 
 
+def sign_test(wins: int, losses: int) -> float:
+    """Two-sided exact sign test: the probability, if both methods were equally good, of a split of the problems
+    they disagree on at least this uneven (McNemar's exact test when each problem is scored 0 or 1)."""
+    disagreements = wins + losses
+    if disagreements == 0:
+        return 1.0
+    tail = sum(math.comb(disagreements, k) for k in range(min(wins, losses) + 1)) / 2 ** disagreements
+    return min(1.0, 2 * tail)
+
+
+def _paired(cell: dict, other: dict) -> tuple[float, float, int, int]:
+    """(gained, lost, problems better, problems worse) of `cell` against `other` on the problems both answered."""
+    shared = [problem for problem in cell["by_problem"] if problem in other["by_problem"]]
+    differences = [cell["by_problem"][q] - other["by_problem"][q] for q in shared]
+    gained = sum(max(0.0, d) for d in differences)
+    lost = sum(max(0.0, -d) for d in differences)
+    return gained, lost, sum(d > 0 for d in differences), sum(d < 0 for d in differences)
+
+
 def _math_paired(record: dict, table: dict) -> list[list]:
-    """Rows [budget, method, pass@1, points vs full, gained/lost problems vs full, triattention's lead] for every
-    compressed cell whose records carry per-problem scores (paired: same problems, so the +/- counts are exact)."""
+    """Rows [budget, method, pass@1, points vs full, gained/lost problems vs full, sign-test p, triattention's lead]
+    for every compressed cell whose records carry per-problem scores (paired: same problems, so the +/- counts are
+    exact)."""
     full = _cell(table, "full", "")
     if full is None or "by_problem" not in full:
         return []
@@ -186,12 +213,30 @@ def _math_paired(record: dict, table: dict) -> list[list]:
             cell = _cell(table, method, budget)
             if method == "full" or cell is None or "by_problem" not in cell:
                 continue
-            shared = [problem for problem in cell["by_problem"] if problem in full["by_problem"]]
-            gained = sum(max(0.0, cell["by_problem"][q] - full["by_problem"][q]) for q in shared)
-            lost = sum(max(0.0, full["by_problem"][q] - cell["by_problem"][q]) for q in shared)
+            gained, lost, better, worse = _paired(cell, full)
             lead = "" if tri is None or method == "triattention" else f"{100 * (tri['pass@1'] - cell['pass@1']):+.1f}"
             rows.append([budget, method, cell["pass@1"], f"{100 * (cell['pass@1'] - full['pass@1']):+.1f}",
-                         f"+{gained:g} / -{lost:g}", lead])
+                         f"+{gained:g} / -{lost:g}", f"{sign_test(better, worse):.2f}", lead])
+    return rows
+
+
+def _math_variants_against_baselines(record: dict, table: dict) -> list[list]:
+    """Rows [budget, TriAttention variant, baseline, points, +/- problems, sign-test p]: every method of the
+    TriAttention family against every other compressed method, problem by problem."""
+    methods = [m for m in _methods(record) if m != "full"]
+    variants = [m for m in methods if m.startswith("triattention")]
+    baselines = [m for m in methods if not m.startswith("triattention")]
+    rows = []
+    for budget in _budgets(record):
+        for variant in variants:
+            cell = _cell(table, variant, budget)
+            for baseline in baselines:
+                other = _cell(table, baseline, budget)
+                if cell is None or other is None or "by_problem" not in cell or "by_problem" not in other:
+                    continue
+                gained, lost, better, worse = _paired(cell, other)
+                rows.append([budget, variant, baseline, f"{100 * (cell['pass@1'] - other['pass@1']):+.1f}",
+                             f"+{gained:g} / -{lost:g}", f"{sign_test(better, worse):.2f}"])
     return rows
 
 

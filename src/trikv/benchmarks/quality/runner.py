@@ -235,16 +235,21 @@ class QualityRun:
         current = dataclasses.asdict(self.config)
         if path.exists() and not fresh:
             previous = json.loads(path.read_text())
-            if previous.get("fingerprint") != self.config.fingerprint():
-                if self._previous_setup(previous) != self.config.fingerprint(grid=False):
+            # the number of math problems, like the methods and budgets, only says how far a run goes
+            previous_limit = previous.get("config", {}).get("math_limit", self.config.math_limit)
+            same_limit = dataclasses.replace(self.config, math_limit=previous_limit)
+            if previous.get("fingerprint") != same_limit.fingerprint() or previous_limit != self.config.math_limit:
+                if self._previous_setup(previous) != same_limit.fingerprint(grid=False):
                     changed = sorted(k for k in current if previous.get("config", {}).get(k) != current[k])
                     raise ValueError(
                         f"{self.out} holds a run with another configuration (differs in {', '.join(changed)}); "
                         "use another --out folder or --fresh to start over"
                     )
                 # same setup, other methods or budgets: the cells both grids share are reused, the rest computed
+                problems = (f"; math problems {previous_limit or 'all'} -> {self.config.math_limit or 'all'}"
+                            if previous_limit != self.config.math_limit else "")
                 self.log(f"{self.out}: extending the run's grid (methods {', '.join(self.config.methods)}; budgets "
-                         f"{', '.join(map(str, self.config.budgets))}); its finished cells are reused")
+                         f"{', '.join(map(str, self.config.budgets))}{problems}); its finished cells and answers are reused")
         path.write_text(json.dumps({"fingerprint": self.config.fingerprint(), "setup_fingerprint": self.config.fingerprint(grid=False),
                                     "config": current}, indent=1))
 
@@ -504,18 +509,31 @@ class QualityRun:
             for method, budget in self.cells():
                 name = f"math-{dataset}"
                 unit = self.units.get(name, method, budget)
-                if unit is None:
-                    bar = self._bar(len(problems), f"{name} {method} B={budget}", unit="problem")
+                done = [] if unit is None else unit["records"]
+                answered = {r["id"] for r in done}
+                # a run with more problems than the cell holds answers only the missing ones when they follow the
+                # answered ones (as after a smaller --limit); otherwise the cell starts over
+                start = next((i for i, p in enumerate(problems) if p["id"] not in answered), len(problems))
+                if any(p["id"] in answered for p in problems[start:]):
+                    done, start = [], 0
+                todo = problems[start:]
+                if todo:
+                    bar = self._bar(len(todo), f"{name} {method} B={budget}", unit="problem")
                     records = self._timed(f"{name}/{method}/{budget}", lambda: math_task.run_math(
-                        self.model, self.tokenizer, method, budget, self.generation_options(method), problems, c.math_samples,
+                        self.model, self.tokenizer, method, budget, self.generation_options(method), todo, c.math_samples,
                         c.math_max_new_tokens, c.seed, temperature=c.math_temperature, divide_length=c.divide_length,
-                        engine=c.math_engine, problems_per_batch=c.math_batch, progress=bar.update))
+                        engine=c.math_engine, problems_per_batch=c.math_batch, progress=bar.update, first_index=start))
                     bar.close()
+                    records = done + records
+                    earlier_seconds = unit["seconds"] if done else 0.0
                     unit = {"summary": math_task.summarise(records), "records": records,
-                            "seconds": self.unit_seconds[f"{name}/{method}/{budget}"]}
+                            "seconds": earlier_seconds + self.unit_seconds[f"{name}/{method}/{budget}"]}
                     self.units.put(name, method, budget, unit)
-                    self.log(f"  {name} {method:>14} B={budget}  pass@1 {unit['summary']['pass@1']:.3f}")
-                table.setdefault(method, {})[budget_key(method, budget)] = math_task.summarise(unit["records"])
+                    self.log(f"  {name} {method:>14} B={budget}  pass@1 {unit['summary']['pass@1']:.3f}"
+                             f" ({len(todo)} of {len(problems)} problems answered now)")
+                wanted = {p["id"] for p in problems}
+                table.setdefault(method, {})[budget_key(method, budget)] = math_task.summarise(
+                    [r for r in unit["records"] if r["id"] in wanted])
             out[dataset] = table
         return {"math": out}
 
