@@ -38,12 +38,13 @@ trikv bench quality --task math --model qwen2.5-coder-1.5b --budgets 256 \
   --limit 32 --samples 1 --math-batch 32 --temperature 0 --max-new-tokens 1024 --dtype bfloat16 --threads 2 --no-progress \
   --out runs/quality/qwen2.5-coder-1.5b-math
 # the same protocol on 96 problems for the methods the targets compare (three batches of 32; reuses the first 32
-# problems' answers: copy the 32-problem folder first, then --limit 96 answers only problems 33-96, ~8-18 min a batch)
+# problems' answers: copy the 32-problem folder first, then --limit 96 answers only problems 33-96, ~8-11 min a batch).
+# One process per cell: run as one grid, the fourth cell was OOM-killed at 24 GB resident; alone a cell stays at ~9.5 GB.
 [ -d runs/quality/qwen2.5-coder-1.5b-math-96 ] || cp -r runs/quality/qwen2.5-coder-1.5b-math runs/quality/qwen2.5-coder-1.5b-math-96
-trikv bench quality --task math --model qwen2.5-coder-1.5b --budgets 256 \
-  --methods full,triattention-dedup,rkv,triattention,snapkv,streaming \
-  --limit 96 --samples 1 --math-batch 32 --temperature 0 --max-new-tokens 1024 --dtype bfloat16 --threads 2 --no-progress \
-  --out runs/quality/qwen2.5-coder-1.5b-math-96
+math96=(--task math --model qwen2.5-coder-1.5b --budgets 256 --limit 96 --samples 1 --math-batch 32 --temperature 0
+        --max-new-tokens 1024 --dtype bfloat16 --threads 2 --no-progress --out runs/quality/qwen2.5-coder-1.5b-math-96)
+for method in triattention-dedup rkv triattention snapkv; do trikv bench quality "${math96[@]}" --methods full,$method; done
+trikv bench quality "${math96[@]}" --methods full,triattention-dedup,rkv,triattention,snapkv
 trikv bench quality --methods full,triattention,triattention-window,snapkv,streaming --threads 1 --no-progress \
   --out runs/quality-quick
 trikv bench report runs/quality-quick runs/quality/qwen2.5-coder-0.5b-fidelity runs/quality/qwen2.5-coder-1.5b-fidelity \
