@@ -14,10 +14,10 @@ trikv bench quality "${common[@]}" --model qwen2.5-coder-0.5b --budgets 128,410 
   --methods full,triattention,triattention-window,triattention-recent,triattention-dedup,snapkv,rkv,h2o,streaming,tova,knorm,tam-shared,pam-shared \
   --out runs/quality/qwen2.5-coder-0.5b-fidelity
 trikv bench quality "${common[@]}" --model qwen2.5-coder-1.5b --budgets 410 \
-  --methods full,triattention,triattention-window,triattention-dedup,snapkv,rkv,h2o,streaming \
+  --methods full,triattention,triattention-window,triattention-dedup,snapkv,rkv,h2o,streaming,tova,knorm,tam-shared,pam-shared \
   --out runs/quality/qwen2.5-coder-1.5b-fidelity
 trikv bench quality "${common[@]}" --model qwen2.5-coder-1.5b --budgets 128 \
-  --methods full,triattention,triattention-window,triattention-dedup,snapkv,rkv,h2o \
+  --methods full,triattention,triattention-window,triattention-dedup,snapkv,rkv,h2o,streaming,tova,knorm,tam-shared,pam-shared \
   --out runs/quality/qwen2.5-coder-1.5b-fidelity-b128
 trikv bench quality --task needle --model qwen2.5-coder-0.5b --needle-lengths 2048,4096 --needle-depths 0.25,0.75 \
   --methods full,triattention,triattention-window,snapkv,h2o,streaming --budgets 256 --threads 1 --no-progress \
@@ -31,23 +31,34 @@ trikv bench quality --task needle --model qwen2.5-coder-1.5b --needle-lengths 20
 trikv bench quality --task dfs --model qwen2.5-coder-1.5b --methods full,triattention,triattention-window,triattention-dedup,snapkv,rkv,h2o,streaming \
   --budgets 128 --dfs-graphs 6 --dfs-nodes 10,20 --dfs-ks 4,8,16,24 --dtype bfloat16 --threads 2 --no-progress \
   --out runs/quality/qwen2.5-coder-1.5b-dfs
+# generative DFS: full attention answers none of the 24 queries on these graphs (~11 min), so no method is compared on them
+trikv bench quality --task dfs --dfs-mode generative --model qwen2.5-coder-1.5b --methods full \
+  --budgets 128 --dfs-graphs 6 --dfs-nodes 10,20 --dfs-ks 4,8,16,24 --dtype bfloat16 --threads 2 --no-progress \
+  --out runs/quality/qwen2.5-coder-1.5b-dfs-generative
+# ... nor on 6-9 node graphs at k = 2, 4, 6 (~3 min): the 1.5B cannot simulate the search itself
+trikv bench quality --task dfs --dfs-mode generative --model qwen2.5-coder-1.5b --methods full \
+  --budgets 64 --dfs-graphs 6 --dfs-nodes 6,9 --dfs-ks 2,4,6 --dtype bfloat16 --threads 2 --no-progress \
+  --out runs/quality/qwen2.5-coder-1.5b-dfs-generative-small
 # MATH-500 subset on the 1.5B: 32 held-out rows greedy in one batch, bfloat16 (~0.6 s per decode step of 32 rows on
 # 2 cores with AMX; ~10-18 min per cell, one job at a time); at B=256 a 1,024-token answer overruns the budget ~4x
 trikv bench quality --task math --model qwen2.5-coder-1.5b --budgets 256 \
   --methods full,triattention,triattention-window,triattention-recent,triattention-dedup,triattention-dedup-only,rkv,snapkv,streaming \
   --limit 32 --samples 1 --math-batch 32 --temperature 0 --max-new-tokens 1024 --dtype bfloat16 --threads 2 --no-progress \
   --out runs/quality/qwen2.5-coder-1.5b-math
-# the same protocol on 96 problems for the methods the targets compare (three batches of 32; reuses the first 32
-# problems' answers: copy the 32-problem folder first, then --limit 96 answers only problems 33-96, ~8-11 min a batch).
-# One process per cell: run as one grid, the fourth cell was OOM-killed at 24 GB resident; alone a cell stays at ~9.5 GB.
-[ -d runs/quality/qwen2.5-coder-1.5b-math-96 ] || cp -r runs/quality/qwen2.5-coder-1.5b-math runs/quality/qwen2.5-coder-1.5b-math-96
-math96=(--task math --model qwen2.5-coder-1.5b --budgets 256 --limit 96 --samples 1 --math-batch 32 --temperature 0
-        --max-new-tokens 1024 --dtype bfloat16 --threads 2 --no-progress --out runs/quality/qwen2.5-coder-1.5b-math-96)
-for method in triattention-dedup rkv triattention snapkv; do trikv bench quality "${math96[@]}" --methods full,$method; done
-trikv bench quality "${math96[@]}" --methods full,triattention-dedup,rkv,triattention,snapkv
+# the same protocol on 100 problems for the methods the targets compare (batches of 32, 32, 32, 4; reuses the first 32
+# problems' answers: copy the 32-problem folder first, then --limit 100 answers only problems 33-100, ~8-11 min a batch
+# of 32, ~4 min the batch of 4). One process per cell: run as one grid, the fourth cell was once OOM-killed at 24 GB
+# resident; alone a cell stays at ~9.5 GB (cells now hand freed memory back, and log their resident size, untested at 24 GB).
+[ -d runs/quality/qwen2.5-coder-1.5b-math-100 ] || cp -r runs/quality/qwen2.5-coder-1.5b-math runs/quality/qwen2.5-coder-1.5b-math-100
+math100=(--task math --model qwen2.5-coder-1.5b --budgets 256 --limit 100 --samples 1 --math-batch 32 --temperature 0
+         --max-new-tokens 1024 --dtype bfloat16 --threads 2 --no-progress --out runs/quality/qwen2.5-coder-1.5b-math-100)
+for method in triattention-dedup rkv triattention snapkv streaming; do trikv bench quality "${math100[@]}" --methods full,$method; done
+trikv bench quality "${math100[@]}" --methods full,triattention-dedup,rkv,triattention,snapkv,streaming
 trikv bench quality --methods full,triattention,triattention-window,snapkv,streaming --threads 1 --no-progress \
   --out runs/quality-quick
 trikv bench report runs/quality-quick runs/quality/qwen2.5-coder-0.5b-fidelity runs/quality/qwen2.5-coder-1.5b-fidelity \
   runs/quality/qwen2.5-coder-1.5b-fidelity-b128 runs/quality/qwen2.5-coder-0.5b-needle runs/quality/qwen2.5-coder-0.5b-needle-8k \
-  runs/quality/qwen2.5-coder-1.5b-needle runs/quality/qwen2.5-coder-1.5b-dfs runs/quality/qwen2.5-coder-1.5b-math \
-  runs/quality/qwen2.5-coder-1.5b-math-96 --out docs/results.md
+  runs/quality/qwen2.5-coder-1.5b-needle runs/quality/qwen2.5-coder-1.5b-dfs runs/quality/qwen2.5-coder-1.5b-dfs-generative \
+  runs/quality/qwen2.5-coder-1.5b-dfs-generative-small \
+  runs/quality/qwen2.5-coder-1.5b-math \
+  runs/quality/qwen2.5-coder-1.5b-math-100 --out docs/results.md

@@ -692,6 +692,10 @@ def test_a_math_run_extends_to_more_problems_answering_only_the_new_ones(tokeniz
         answered.append(([p["id"] for p in args[5]], kwargs["first_index"]))
         return original(*args, **kwargs)
     monkeypatch.setattr(math_task, "run_math", counting_run_math)
+    # every computed cell hands its freed heap back before the next one starts
+    from trikv.benchmarks.speed import machine
+    released = []
+    monkeypatch.setattr(machine, "release_free_memory", lambda: released.append(len(answered)))
     setup = dict(tasks=["math"], methods=["full", "streaming"], budgets=[32], math_samples=1, math_max_new_tokens=4,
                  math_temperature=0.0, math_batch=2)
     logged = []
@@ -700,6 +704,7 @@ def test_a_math_run_extends_to_more_problems_answering_only_the_new_ones(tokeniz
     ids = [p["id"] for p in math_task.load_problems("math500", limit=4)]
     run(tmp_path / "grown", 2)
     assert answered == [(ids[:2], 0)] * 2
+    assert released == [1, 2]
     first = (tmp_path / "grown" / "units" / "math-math500__streaming__32.json").read_text()
     answered.clear()
     grown = run(tmp_path / "grown", 4)
@@ -707,6 +712,13 @@ def test_a_math_run_extends_to_more_problems_answering_only_the_new_ones(tokeniz
     assert any("math problems 2 -> 4" in line for line in logged)
     records = json.loads((tmp_path / "grown" / "units" / "math-math500__streaming__32.json").read_text())["records"]
     assert records[:2] == json.loads(first)["records"] and [r["id"] for r in records] == ids
+    # the compute time of a grown run counts each whole cell once, and only the cells of its grid
+    cell_seconds = {m: json.loads((tmp_path / "grown" / "units" / f"math-math500__{m}__{b}.json").read_text())["seconds"]
+                    for m, b in (("full", "none"), ("streaming", 32))}
+    assert grown["compute_seconds"] == pytest.approx(sum(cell_seconds.values()))
+    only_streaming = run_quality(config_from_preset("quick", math_limit=4, **(setup | {"methods": ["streaming"]})),
+                                 tmp_path / "grown", model=model, tokenizer=tokenizer, progress=False, log=logged.append)
+    assert only_streaming["compute_seconds"] == pytest.approx(cell_seconds["streaming"])
     fresh = run(tmp_path / "fresh", 4)
     assert grown["results"]["math"]["math500"] == fresh["results"]["math"]["math500"]
     answered.clear()

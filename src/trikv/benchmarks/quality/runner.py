@@ -338,10 +338,24 @@ class QualityRun:
         write_outputs(record, self.out)
         return record
 
+    def _grid_seconds(self) -> float:
+        """Compute time of every unit of this run's grid, over all invocations (cells the folder holds for other
+        methods or budgets are left out)."""
+        budgets = {str(b) for b in self.config.budgets} | {"None"}
+        def in_grid(key: str) -> bool:
+            parts = key.split("/")
+            return len(parts) < 3 or (parts[-2] in self.config.methods and parts[-1] in budgets)
+        return sum(seconds for key, seconds in self.unit_seconds.items() if in_grid(key))
+
     def _timed(self, key: str, fn):
+        from ..speed.machine import release_free_memory
+
         started = time.perf_counter()
         value = fn()
         self.unit_seconds[key] = time.perf_counter() - started
+        # a cell's caches (batch-sized, a different size for every method) are garbage now; handing their pages
+        # back keeps the next cell from growing the heap further when many cells run in one process
+        release_free_memory()
         return value
 
     def _run_fidelity(self) -> dict:
@@ -495,6 +509,7 @@ class QualityRun:
                            "methods": table}}
 
     def _run_math(self) -> dict:
+        from ..speed.machine import current_rss
         from . import math_task
 
         c = self.config
@@ -528,9 +543,10 @@ class QualityRun:
                     earlier_seconds = unit["seconds"] if done else 0.0
                     unit = {"summary": math_task.summarise(records), "records": records,
                             "seconds": earlier_seconds + self.unit_seconds[f"{name}/{method}/{budget}"]}
+                    self.unit_seconds[f"{name}/{method}/{budget}"] = unit["seconds"]  # the whole cell, not this part
                     self.units.put(name, method, budget, unit)
                     self.log(f"  {name} {method:>14} B={budget}  pass@1 {unit['summary']['pass@1']:.3f}"
-                             f" ({len(todo)} of {len(problems)} problems answered now)")
+                             f" ({len(todo)} of {len(problems)} problems answered now; resident {current_rss() / 2**30:.1f} GiB)")
                 wanted = {p["id"] for p in problems}
                 table.setdefault(method, {})[budget_key(method, budget)] = math_task.summarise(
                     [r for r in unit["records"] if r["id"] in wanted])
@@ -566,7 +582,7 @@ class QualityRun:
                             "transformers": transformers.__version__, "threads": torch.get_num_threads(),
                             "device": str(next(self.model.parameters()).device), "platform": platform.platform()},
             "wall_seconds": seconds,  # this invocation (a resumed run reuses earlier units)
-            "compute_seconds": sum(self.unit_seconds.values()),  # every unit of the run, over all invocations
+            "compute_seconds": self._grid_seconds(),
             "unit_seconds": self.unit_seconds,
             "results": results,
         }
