@@ -736,11 +736,55 @@ def test_math_and_dtype_settings_are_checked_and_fingerprinted():
             config_from_preset("quick", **{key: value})
     # at their defaults the later settings leave the fingerprint of an older run unchanged; set, they change it
     base = QualityConfig()
-    record = {k: v for k, v in dataclasses.asdict(base).items() if k not in ("math_temperature", "math_batch", "dtype")}
+    later = ("math_temperature", "math_batch", "dtype", "math_problems")
+    record = {k: v for k, v in dataclasses.asdict(base).items() if k not in later}
     older = hashlib.sha256(json.dumps({**record, "text_file_sha256": []}, sort_keys=True).encode()).hexdigest()[:16]
     assert base.fingerprint() == older
     assert len({base.fingerprint(), QualityConfig(dtype="bfloat16").fingerprint(), QualityConfig(math_batch=4).fingerprint(),
-                QualityConfig(math_temperature=0.0).fingerprint()}) == 4
+                QualityConfig(math_temperature=0.0).fingerprint(), QualityConfig(math_problems=["math500-7"]).fingerprint()}) == 5
+
+
+@pytest.mark.real_model
+def test_math_problems_chosen_by_id_are_answered_in_dataset_order(tokenizer, tmp_path):
+    """--problems answers exactly the named rows (their own problem and answer from the dataset file), in dataset
+    order, instead of the first --limit ones, and the report names them."""
+    import argparse
+
+    from trikv.benchmarks.quality.cli import add_quality_arguments, config_from_args
+    from trikv.benchmarks.quality.math_task import DATASETS_DIR
+    from trikv.benchmarks.quality.report import text_tables
+    from trikv.benchmarks.quality.runner import run_quality
+
+    parser = argparse.ArgumentParser()
+    add_quality_arguments(parser)
+    args = parser.parse_args(["--task", "math", "--methods", "full,streaming", "--budgets", "32", "--problems",
+                              "math500-7,math500-3", "--samples", "1", "--max-new-tokens", "3", "--temperature", "0"])
+    config = config_from_args(args)
+    assert (config.math_problems, config.math_limit) == (["math500-7", "math500-3"], None)
+    model = tiny_model(vocab_size=len(tokenizer))
+    record = run_quality(config, tmp_path, model=model, tokenizer=tokenizer, progress=False, log=lambda *a: None)
+    rows = [json.loads(line) for line in (DATASETS_DIR / "math500.jsonl").read_text().splitlines() if line.strip()]
+    for method, budget in (("full", "none"), ("streaming", "32")):
+        records = json.loads((tmp_path / "units" / f"math-math500__{method}__{budget}.json").read_text())["records"]
+        assert [(r["id"], r["answer"]) for r in records] == [("math500-3", str(rows[3]["answer"])), ("math500-7", str(rows[7]["answer"]))]
+    assert "2 problems, chosen by id: math500-7, math500-3;" in text_tables(record)
+
+
+def test_bad_math_problem_ids_are_refused_with_the_reason():
+    from trikv.benchmarks.quality.runner import config_from_preset
+
+    setup = dict(tasks=["math"])
+    for ids, extra, message in (
+            (["math500-9999"], {}, r"unknown math problem id\(s\) math500-9999: ids are DATASET-ROW .*math500 \(rows 0-499\)"),
+            (["gsm8k-1"], {}, r"unknown math problem id\(s\) gsm8k-1"),
+            (["math500-x"], {}, r"unknown math problem id\(s\) math500-x"),
+            (["math500-260"], {}, r"math500-260 are reserved: shipped statistics were calibrated on them"),
+            (["math500-1", "math500-1"], {}, "given more than once: math500-1"),
+            ([], {}, "list of math problem ids is empty"),
+            (["math500-1"], {"math_datasets": ["math500", "aime24"]}, r"no problem id of dataset\(s\) aime24"),
+            (["math500-1"], {"math_limit": 5}, "either math problem ids or a problem limit")):
+        with pytest.raises(ValueError, match=message):
+            config_from_preset("quick", math_problems=ids, **setup, **extra)
 
 
 @pytest.mark.real_model

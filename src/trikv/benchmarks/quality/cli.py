@@ -58,6 +58,8 @@ def add_quality_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("math")
     group.add_argument("--math-datasets", type=_names, default=None, help="math500,aime24,aime25")
     group.add_argument("--limit", type=int, default=None, help="first N problems of each dataset (a larger N in the same --out answers only the new problems)")
+    group.add_argument("--problems", type=_names, default=None, metavar="ID,ID",
+                       help="answer only these problems, by DATASET-ROW id (e.g. math500-7,math500-15), instead of --limit")
     group.add_argument("--samples", type=int, default=None, help="samples per problem (pass@1 = their mean)")
     group.add_argument("--max-new-tokens", type=int, default=None)
     group.add_argument("--math-engine", default=None, choices=["lean", "transformers"],
@@ -89,7 +91,7 @@ def config_from_args(args):
         text_files=args.text_file, text_tokens=args.text_tokens,
         recall_stride=args.recall_stride, horizons=args.horizons, dfs_mode=args.dfs_mode, dfs_graphs=args.dfs_graphs,
         dfs_ks=args.dfs_ks, dfs_min_nodes=_node_range(args.dfs_nodes)[0], dfs_max_nodes=_node_range(args.dfs_nodes)[1], needle_lengths=args.needle_lengths, needle_depths=args.needle_depths,
-        math_datasets=args.math_datasets, math_limit=args.limit, math_samples=args.samples,
+        math_datasets=args.math_datasets, math_limit=args.limit, math_problems=args.problems, math_samples=args.samples,
         math_max_new_tokens=args.max_new_tokens, math_engine=args.math_engine, math_temperature=args.temperature,
         math_batch=args.math_batch, dtype=args.dtype,
     )

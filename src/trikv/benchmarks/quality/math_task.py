@@ -38,14 +38,49 @@ def reserved_rows(name: str) -> set[int]:
     return rows
 
 
-def load_problems(name: str, limit: int | None = None) -> list[dict]:
-    """[{id, prompt, answer}] of a shipped dataset: the first `limit` rows that no shipped statistics were
-    calibrated on (`reserved_rows`); ids keep the dataset's row numbers."""
+def _rows(name: str) -> list[dict]:
     if name not in DATASETS:
         raise ValueError(f"unknown math dataset {name!r}; available: {', '.join(DATASETS)}")
-    rows = [json.loads(line) for line in (DATASETS_DIR / DATASETS[name]).read_text(encoding="utf-8").splitlines() if line.strip()]
+    text = (DATASETS_DIR / DATASETS[name]).read_text(encoding="utf-8")
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def check_problem_ids(ids: list[str], datasets: list[str]) -> None:
+    """Refuse problem ids that no evaluation may use: unknown datasets or rows, rows reserved for calibration,
+    repeats, and a chosen dataset left without any id."""
+    if not ids:
+        raise ValueError("the list of math problem ids is empty")
+    repeated = sorted({i for i in ids if ids.count(i) > 1})
+    if repeated:
+        raise ValueError(f"math problem ids given more than once: {', '.join(repeated)}")
+    sizes = {name: len(_rows(name)) for name in datasets}
+    bad, reserved = [], []
+    for problem_id in ids:
+        name, _, row = problem_id.rpartition("-")
+        if name not in sizes or not row.isdigit() or int(row) >= sizes[name]:
+            bad.append(problem_id)
+        elif int(row) in reserved_rows(name):
+            reserved.append(problem_id)
+    if bad:
+        raise ValueError(f"unknown math problem id(s) {', '.join(bad)}: ids are DATASET-ROW (0-based) of the chosen "
+                         f"datasets {', '.join(f'{n} (rows 0-{k - 1})' for n, k in sizes.items())}")
+    if reserved:
+        raise ValueError(f"math problem id(s) {', '.join(reserved)} are reserved: shipped statistics were calibrated on them")
+    empty = [name for name in datasets if not any(i.rpartition("-")[0] == name for i in ids)]
+    if empty:
+        raise ValueError(f"no problem id of dataset(s) {', '.join(empty)}; drop them from the datasets or add ids")
+
+
+def load_problems(name: str, limit: int | None = None, ids: list[str] | None = None) -> list[dict]:
+    """[{id, prompt, answer}] of a shipped dataset: the first `limit` rows that no shipped statistics were
+    calibrated on (`reserved_rows`), or the rows named by `ids` ("math500-7"), in dataset order; ids keep the
+    dataset's row numbers."""
+    rows = _rows(name)
     reserved = reserved_rows(name)
     chosen = [(index, row) for index, row in enumerate(rows) if index not in reserved]
+    if ids is not None:
+        wanted = set(ids)
+        chosen = [(index, row) for index, row in chosen if f"{name}-{index}" in wanted]
     problems = []
     for index, row in chosen[:limit] if limit else chosen:
         if "problem" in row:

@@ -162,7 +162,9 @@ def sections(record: dict, markdown: bool) -> list[tuple[str, str]]:
             temperature = meta.get("temperature", 0.6)
             decoding = f"T {temperature:g}, top-p {meta.get('top_p', 0.95):g}" if temperature > 0 else "greedy"
             batching = (f", {meta['problems_per_batch']} problems per batch" if meta.get("problems_per_batch", 1) > 1 else "")
-            out.append((f"Math {dataset}: pass@1 ({n} problems, {meta['samples']} samples, {decoding}, "
+            chosen = [i for i in meta.get("problems") or [] if i.rpartition("-")[0] == dataset]
+            selection = f" chosen by id: {', '.join(chosen)};" if chosen else ""
+            out.append((f"Math {dataset}: pass@1 ({n} problems,{selection} {meta['samples']} samples, {decoding}, "
                         f"{meta['max_new_tokens']} new tokens, {meta.get('engine', 'transformers')} engine, "
                         f"{meta.get('dtype', 'float32')}{batching}{held_out})", render(headers, rows, markdown)))
             paired = _math_paired(record, table)

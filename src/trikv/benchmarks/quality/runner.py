@@ -63,6 +63,8 @@ class QualityConfig:
     math_engine: str = "lean"  # decode loop of the math generations: "lean" (fastest here) or "transformers"
     math_temperature: float = 0.6  # 0 = greedy
     math_batch: int = 1  # problems per generation batch (each with math_samples rows)
+    # chosen problems by id (e.g. "math500-7"), in dataset order, instead of the first math_limit ones
+    math_problems: list[str] | None = None
     # weights and activations; bfloat16 halves the memory traffic of a decode step (and uses AMX on recent Xeons)
     dtype: str = "float32"
 
@@ -80,7 +82,7 @@ class QualityConfig:
         return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()[:16]
 
 
-ADDED_LATER = {"math_temperature": 0.6, "math_batch": 1, "dtype": "float32"}
+ADDED_LATER = {"math_temperature": 0.6, "math_batch": 1, "dtype": "float32", "math_problems": None}
 DTYPES = ("float32", "bfloat16", "float16")
 
 PRESETS: dict[str, dict] = {
@@ -112,6 +114,8 @@ def config_from_preset(preset: str, **overrides) -> QualityConfig:
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; available: {', '.join(PRESETS)}")
     values = {**PRESETS[preset], **{k: v for k, v in overrides.items() if v is not None}}
+    if values.get("math_problems") is not None and overrides.get("math_limit") is None:
+        values["math_limit"] = None  # chosen ids replace the default "first N problems"
     unknown = set(values) - {f.name for f in dataclasses.fields(QualityConfig)}
     if unknown:
         raise ValueError(f"unknown configuration keys {sorted(unknown)}")
@@ -139,6 +143,12 @@ def validate(config: QualityConfig) -> None:
         raise ValueError(f"math_temperature must be >= 0 (0 = greedy), got {config.math_temperature}")
     if config.math_batch < 1:
         raise ValueError(f"math_batch must be >= 1 problem per batch, got {config.math_batch}")
+    if config.math_problems is not None:
+        from .math_task import check_problem_ids
+
+        if config.math_limit is not None:
+            raise ValueError("give either math problem ids or a problem limit, not both")
+        check_problem_ids(config.math_problems, config.math_datasets)
     if config.dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {config.dtype!r}")
     if any(not 0.0 <= d <= 1.0 for d in config.needle_depths):
@@ -513,13 +523,13 @@ class QualityRun:
         from . import math_task
 
         c = self.config
-        out = {"meta": {"datasets": c.math_datasets, "limit": c.math_limit, "samples": c.math_samples,
+        out = {"meta": {"datasets": c.math_datasets, "limit": c.math_limit, "problems": c.math_problems, "samples": c.math_samples,
                         "max_new_tokens": c.math_max_new_tokens, "temperature": c.math_temperature,
                         "top_p": 0.95 if c.math_temperature > 0 else None, "engine": c.math_engine,
                         "problems_per_batch": c.math_batch, "dtype": c.dtype,
                         "excluded_rows": {d: sorted(math_task.reserved_rows(d)) for d in c.math_datasets}}}
         for dataset in c.math_datasets:
-            problems = math_task.load_problems(dataset, c.math_limit)
+            problems = math_task.load_problems(dataset, c.math_limit, ids=c.math_problems)
             table = {}
             for method, budget in self.cells():
                 name = f"math-{dataset}"
