@@ -85,21 +85,20 @@ class TriScorer:
             )
         return self._device_cache[key]
 
-    def _trig_weights(self, t: torch.Tensor, offsets: torch.Tensor | None, layers: slice = slice(None)) -> torch.Tensor:
+    def _trig_weights(self, t: torch.Tensor, offsets: torch.Tensor | None) -> torch.Tensor:
         """[L, b, Hq, F] complex: mu_f e^{i w_f t} (times c_f, or e^{i w_f o} for one offset o)."""
         omega = self.geometry.omega
         angle = t.double().cpu()[:, None] * omega[None, :]  # [b, F]
         rotation = torch.polar(torch.ones_like(angle), angle)
         rotation = rotation * (self.fold if offsets is None else torch.polar(torch.ones_like(omega), omega * offsets))
-        return self.q_mean[layers][:, None] * rotation[None, :, None, :]
+        return self.q_mean[:, None] * rotation[None, :, None, :]
 
-    def score(self, keys: torch.Tensor, t: torch.Tensor, layers: slice = slice(None)) -> torch.Tensor:
-        """keys [L, b, Hkv, N, D] post-RoPE of the model layers `layers`, t [b] current positions
+    def score(self, keys: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """keys [L, b, Hkv, N, D] post-RoPE of every layer, t [b] current positions
         -> scores [L, b, Hkv, G, N] (float32)."""
         L, b, Hkv, N, D = keys.shape
         keys = keys.float()
         norm_weight, real_index, imag_index = self._on(keys.device, torch.float32)
-        norm_weight = norm_weight[layers]
         score = keys.new_zeros(L, b, Hkv, N, self.group)
         if self.use_norm:
             k_real, k_imag = keys.index_select(-1, real_index), keys.index_select(-1, imag_index)
@@ -107,10 +106,10 @@ class TriScorer:
             score += magnitude @ norm_weight[:, None]  # [L, b, Hkv, N, G]
         if self.use_trig:
             if self.offset_aggregation == "mean":
-                score += keys @ self._dense_weights(self._trig_weights(t, None, layers), keys)
+                score += keys @ self._dense_weights(self._trig_weights(t, None), keys)
             else:  # max over offsets of (S_trig(o) + S_norm), S_norm being offset-independent
                 per_offset = torch.stack(
-                    [keys @ self._dense_weights(self._trig_weights(t, o, layers), keys) for o in self.offsets]
+                    [keys @ self._dense_weights(self._trig_weights(t, o), keys) for o in self.offsets]
                 )
                 score += per_offset.amax(0)
         return score.transpose(-1, -2)

@@ -85,10 +85,10 @@ class FastTriScorer(TriScorer):
         permutation = self._permutation.to(keys.device)
         return torch.hypot(keys[..., permutation[:F]], keys[..., permutation[F:]])
 
-    def _weights(self, t: torch.Tensor, keys: torch.Tensor, layers: slice = slice(None)):
+    def _weights(self, t: torch.Tensor, keys: torch.Tensor):
         """Trig weights [L, b, Hkv, G, D] for positions t and norm weights [L, Hkv, G, F] (None when off)."""
-        trig = self._dense_weights(self._trig_weights(t, None, layers), keys).transpose(-1, -2) if self.use_trig else None
-        norm_t = self._on(keys.device, torch.float32)[0][layers].transpose(-1, -2) if self.use_norm else None
+        trig = self._dense_weights(self._trig_weights(t, None), keys).transpose(-1, -2) if self.use_trig else None
+        norm_t = self._on(keys.device, torch.float32)[0].transpose(-1, -2) if self.use_norm else None
         return trig, norm_t
 
     def _score_into(self, keys: torch.Tensor, weights, out: torch.Tensor) -> None:
@@ -110,18 +110,18 @@ class FastTriScorer(TriScorer):
                 score = term if score is None else score.add_(term)
             out[part].copy_(score)
 
-    def score(self, keys: torch.Tensor, t: torch.Tensor, layers: slice = slice(None)) -> torch.Tensor:
-        """keys [L, b, Hkv, N, D] post-RoPE of the model layers `layers`, t [b] -> [L, b, Hkv, G, N] (float32)."""
+    def score(self, keys: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """keys [L, b, Hkv, N, D] post-RoPE of every layer, t [b] -> [L, b, Hkv, G, N] (float32)."""
         if self.offset_aggregation != "mean":
-            return super().score(keys, t, layers)
+            return super().score(keys, t)
         L, b, Hkv, N, D = keys.shape
-        done = self._usable_ahead(keys, t) if layers == slice(None) else 0  # scoring ahead covers all layers
+        done = self._usable_ahead(keys, t)
         if done:
             out = self._ahead[..., :N]  # slots [0, done) were scored ahead for this very t
             weights = self._ahead_weights
         else:
             out = torch.empty(L, b, Hkv, self.group, N, dtype=torch.float32, device=keys.device)
-            weights = self._weights(t, keys, layers)
+            weights = self._weights(t, keys)
         if done < N:
             self._score_into(keys[:, :, :, done:], weights, out[..., done:])
         self._clear_ahead()

@@ -34,8 +34,8 @@ class _BiasedScorer:
     def __init__(self, inner, bias: torch.Tensor):
         self.inner, self.bias = inner, bias
 
-    def score(self, keys, t, layers=slice(None)):
-        return self.inner.score(keys, t, layers) + self.bias[layers][:, :, :, None, :].to(torch.float32)
+    def score(self, keys, t):
+        return self.inner.score(keys, t) + self.bias[:, :, :, None, :].to(torch.float32)
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
