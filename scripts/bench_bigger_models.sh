@@ -75,11 +75,13 @@ for method in triattention-dedup rkv triattention snapkv streaming; do trikv ben
 trikv bench quality "${math100[@]}" --methods full,triattention-dedup,rkv,triattention,snapkv,streaming
 # B = 1024 with up to 2,048 new tokens. Rounds are per row: a problem whose full-attention answer never brings its
 # cache to B + 128 = 1,152 entries is answered by every method exactly as by full attention. Of the 100 problems above
-# only the 11 that full attention ran to the 1,024-token cap get there (the longest finished answers: 1,135 entries),
-# so only they are generated (batch of 11, ~10 min a cell); the other 89 keep full attention's answers.
+# only the 11 that full attention ran to the 1,024-token cap get there, so only they need generating; math500-19 and
+# math500-84, the two longest finished answers (1,135 and 1,102 entries, both wrong), ride along as a check that every
+# method reproduces full attention's answer where nothing is evicted. The other 87 keep full attention's answers
+# (batch of 13, ~10 min a cell).
 trikv bench quality --task math --model qwen2.5-coder-1.5b --budgets 1024 --methods full,triattention,triattention-dedup,rkv,snapkv,streaming \
-  --problems math500-7,math500-15,math500-25,math500-33,math500-36,math500-43,math500-60,math500-63,math500-64,math500-96,math500-99 \
-  --samples 1 --math-batch 11 --temperature 0 --max-new-tokens 2048 --dtype bfloat16 --threads 2 --no-progress \
+  --problems math500-7,math500-15,math500-19,math500-25,math500-33,math500-36,math500-43,math500-60,math500-63,math500-64,math500-84,math500-96,math500-99 \
+  --samples 1 --math-batch 13 --temperature 0 --max-new-tokens 2048 --dtype bfloat16 --threads 2 --no-progress \
   --out runs/quality/qwen2.5-coder-1.5b-math-long-b1024
 trikv bench quality --methods full,triattention,triattention-window,snapkv,streaming --threads 1 --no-progress \
   --out runs/quality-quick
