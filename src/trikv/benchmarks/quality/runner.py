@@ -258,7 +258,7 @@ class QualityRun:
                 # same setup, other methods or budgets: the cells both grids share are reused, the rest computed
                 problems = (f"; math problems {previous_limit or 'all'} -> {self.config.math_limit or 'all'}"
                             if previous_limit != self.config.math_limit else "")
-                self.log(f"{self.out}: extending the run's grid (methods {', '.join(self.config.methods)}; budgets "
+                self.log(f"{self.out}: running another grid in this folder (methods {', '.join(self.config.methods)}; budgets "
                          f"{', '.join(map(str, self.config.budgets))}{problems}); its finished cells and answers are reused")
         path.write_text(json.dumps({"fingerprint": self.config.fingerprint(), "setup_fingerprint": self.config.fingerprint(grid=False),
                                     "config": current}, indent=1))
