@@ -727,6 +727,36 @@ def test_a_math_run_extends_to_more_problems_answering_only_the_new_ones(tokeniz
     assert shrunk["results"]["math"]["math500"]["streaming"]["32"]["by_problem"].keys() == {ids[0]}
 
 
+@pytest.mark.real_model
+def test_a_stopped_run_keeps_the_compute_time_of_its_finished_cells(tokenizer, tmp_path, monkeypatch):
+    """A run stopped after its first cell, then resumed: the resumed run's compute time counts the finished cell's
+    time (saved after that cell, or else read from the cell) as well as the cell computed on resuming."""
+    from trikv.benchmarks.quality import math_task
+    from trikv.benchmarks.quality.runner import config_from_preset, run_quality
+
+    model = tiny_model(vocab_size=len(tokenizer))
+    original = math_task.run_math
+    def stopping_after_full(*args, **kwargs):
+        if args[2] != "full":
+            raise KeyboardInterrupt
+        return original(*args, **kwargs)
+    config = config_from_preset("quick", tasks=["math"], methods=["full", "streaming"], budgets=[32], math_limit=2,
+                                math_samples=1, math_max_new_tokens=3, math_temperature=0.0)
+    run = lambda: run_quality(config, tmp_path, model=model, tokenizer=tokenizer, progress=False, log=lambda *a: None)
+    monkeypatch.setattr(math_task, "run_math", stopping_after_full)
+    with pytest.raises(KeyboardInterrupt):
+        run()
+    assert not (tmp_path / "results.json").exists()
+    monkeypatch.setattr(math_task, "run_math", original)
+    record = run()
+    seconds = {m: json.loads((tmp_path / "units" / f"math-math500__{m}__{b}.json").read_text())["seconds"]
+               for m, b in (("full", "none"), ("streaming", 32))}
+    assert record["compute_seconds"] == pytest.approx(sum(seconds.values()))
+    # a folder stopped before the timings were saved after each cell: the cells' own times stand in
+    (tmp_path / "units" / "timings.json").unlink()
+    assert run()["compute_seconds"] == pytest.approx(sum(seconds.values()))
+
+
 def test_math_and_dtype_settings_are_checked_and_fingerprinted():
     from trikv.benchmarks.quality.runner import QualityConfig, config_from_preset
 

@@ -339,11 +339,7 @@ class QualityRun:
             task_started = time.perf_counter()
             results.update(getattr(self, f"_run_{task}")())
             self.log(f"[{task}] done in {time.perf_counter() - task_started:.0f} s")
-        timings = self.out / "units" / "timings.json"  # seconds per unit, over every invocation of this run
-        merged = json.loads(timings.read_text()) if timings.exists() else {}
-        merged.update(self.unit_seconds)
-        timings.write_text(json.dumps(merged, indent=1))
-        self.unit_seconds = merged
+        self.unit_seconds = self._save_timings()
         record = self._record(results, time.perf_counter() - started)
         write_outputs(record, self.out)
         return record
@@ -357,12 +353,23 @@ class QualityRun:
             return len(parts) < 3 or (parts[-2] in self.config.methods and parts[-1] in budgets)
         return sum(seconds for key, seconds in self.unit_seconds.items() if in_grid(key))
 
+    def _save_timings(self) -> dict[str, float]:
+        """Merge this invocation's unit times into units/timings.json (seconds per unit over every invocation of
+        the run); saved after every cell, so a run stopped midway keeps the times of the cells it finished."""
+        timings = self.out / "units" / "timings.json"
+        merged = json.loads(timings.read_text()) if timings.exists() else {}
+        merged.update(self.unit_seconds)
+        timings.parent.mkdir(parents=True, exist_ok=True)
+        timings.write_text(json.dumps(merged, indent=1))
+        return merged
+
     def _timed(self, key: str, fn):
         from ..speed.machine import release_free_memory
 
         started = time.perf_counter()
         value = fn()
         self.unit_seconds[key] = time.perf_counter() - started
+        self._save_timings()
         # a cell's caches (batch-sized, a different size for every method) are garbage now; handing their pages
         # back keeps the next cell from growing the heap further when many cells run in one process
         release_free_memory()
@@ -554,9 +561,12 @@ class QualityRun:
                     unit = {"summary": math_task.summarise(records), "records": records,
                             "seconds": earlier_seconds + self.unit_seconds[f"{name}/{method}/{budget}"]}
                     self.unit_seconds[f"{name}/{method}/{budget}"] = unit["seconds"]  # the whole cell, not this part
+                    self._save_timings()
                     self.units.put(name, method, budget, unit)
                     self.log(f"  {name} {method:>14} B={budget}  pass@1 {unit['summary']['pass@1']:.3f}"
                              f" ({len(todo)} of {len(problems)} problems answered now; resident {current_rss() / 2**30:.1f} GiB)")
+                elif "seconds" in unit:  # a finished cell holds its own time, also when the timings file does not
+                    self.unit_seconds.setdefault(f"{name}/{method}/{budget}", unit["seconds"])
                 wanted = {p["id"] for p in problems}
                 table.setdefault(method, {})[budget_key(method, budget)] = math_task.summarise(
                     [r for r in unit["records"] if r["id"] in wanted])
