@@ -40,7 +40,7 @@ trikv bench quality --task fidelity --text-file runs/texts/python-reference-long
   --out runs/quality/qwen2.5-coder-0.5b-fidelity-8k
 # B = 1024 on the 1.5B with the baselines that lead at the smaller budgets (~35 min, two threads alone)
 trikv bench quality "${common[@]}" --model qwen2.5-coder-1.5b --budgets 1024 \
-  --methods full,triattention-window,h2o,tova,triattention,snapkv,rkv \
+  --methods full,triattention-window,h2o,tova,triattention,snapkv,rkv,triattention-dedup,streaming,knorm,tam-shared,pam-shared \
   --out runs/quality/qwen2.5-coder-1.5b-fidelity-b1024
 trikv bench quality --task needle --model qwen2.5-coder-0.5b --needle-lengths 2048,4096 --needle-depths 0.25,0.75 \
   --methods full,triattention,triattention-window,snapkv,h2o,streaming --budgets 256 --threads 1 --no-progress \
@@ -88,6 +88,19 @@ trikv bench quality --task math --model qwen2.5-coder-1.5b --budgets 1024 --meth
   --problems math500-7,math500-15,math500-19,math500-25,math500-33,math500-36,math500-43,math500-60,math500-63,math500-64,math500-84,math500-96,math500-99 \
   --samples 1 --math-batch 13 --temperature 0 --max-new-tokens 2048 --dtype bfloat16 --threads 2 --no-progress \
   --out runs/quality/qwen2.5-coder-1.5b-math-long-b1024
+# B = 256 with up to 2,048 new tokens on the same 100 problems: greedy answers that ended before the 1,024-token cap
+# end there again, so the copied folder raises the cap in place and generates again only the answers that reached
+# it (5-15 per method, one batch each, ~15-20 min a cell; one process per method as above)
+[ -d runs/quality/qwen2.5-coder-1.5b-math-100-2048 ] || cp -r runs/quality/qwen2.5-coder-1.5b-math-100 runs/quality/qwen2.5-coder-1.5b-math-100-2048
+math2048=(--task math --model qwen2.5-coder-1.5b --budgets 256 --limit 100 --samples 1 --math-batch 32 --temperature 0
+          --max-new-tokens 2048 --dtype bfloat16 --threads 2 --no-progress --out runs/quality/qwen2.5-coder-1.5b-math-100-2048)
+for method in triattention rkv snapkv triattention-dedup streaming; do trikv bench quality "${math2048[@]}" --methods full,$method; done
+trikv bench quality "${math2048[@]}" --methods full,triattention,triattention-dedup,rkv,snapkv,streaming
+# the 1.5B on the 8,192-token text (horizons out to 4K; ~45 min, two threads alone)
+trikv bench quality --task fidelity --text-file runs/texts/python-reference-long.txt --text-tokens 8192 \
+  --horizons 128,512,1024,2048,4096 --recall-stride 8 --threads 2 --no-progress --model qwen2.5-coder-1.5b --budgets 819 \
+  --methods full,triattention,triattention-window,triattention-dedup,snapkv,rkv,h2o,streaming \
+  --out runs/quality/qwen2.5-coder-1.5b-fidelity-8k
 trikv bench quality --methods full,triattention,triattention-window,snapkv,streaming --threads 1 --no-progress \
   --out runs/quality-quick
 trikv bench report runs/quality-quick runs/quality/qwen2.5-coder-0.5b-fidelity runs/quality/qwen2.5-coder-0.5b-fidelity-b1024 \
@@ -96,4 +109,5 @@ trikv bench report runs/quality-quick runs/quality/qwen2.5-coder-0.5b-fidelity r
   runs/quality/qwen2.5-coder-1.5b-needle runs/quality/qwen2.5-coder-1.5b-dfs runs/quality/qwen2.5-coder-1.5b-dfs-generative \
   runs/quality/qwen2.5-coder-1.5b-dfs-generative-small \
   runs/quality/qwen2.5-coder-1.5b-math \
-  runs/quality/qwen2.5-coder-1.5b-math-100 runs/quality/qwen2.5-coder-1.5b-math-long-b1024 --out docs/results.md
+  runs/quality/qwen2.5-coder-1.5b-math-100 runs/quality/qwen2.5-coder-1.5b-math-long-b1024 \
+  runs/quality/qwen2.5-coder-1.5b-math-100-2048 runs/quality/qwen2.5-coder-1.5b-fidelity-8k --out docs/results.md

@@ -674,8 +674,8 @@ def test_a_run_extends_its_grid_and_refuses_another_setup(tokenizer, tmp_path):
     assert {name: after[name] for name in first} == first
     assert set(after) - set(first) == {"math-math500__streaming__48.json", "math-math500__h2o__32.json", "math-math500__h2o__48.json"}
     assert set(record["results"]["math"]["math500"]["h2o"]) == {"32", "48"}
-    with pytest.raises(ValueError, match="another configuration .*math_max_new_tokens"):
-        run(config_from_preset("quick", methods=["full", "streaming"], budgets=[32], **(setup | {"math_max_new_tokens": 4})))
+    with pytest.raises(ValueError, match="another configuration .*math_max_new_tokens.*only a greedy run may raise"):
+        run(config_from_preset("quick", methods=["full", "streaming"], budgets=[32], **(setup | {"math_max_new_tokens": 2})))
 
 
 @pytest.mark.real_model
@@ -725,6 +725,77 @@ def test_a_math_run_extends_to_more_problems_answering_only_the_new_ones(tokeniz
     shrunk = run(tmp_path / "grown", 1)
     assert answered == []
     assert shrunk["results"]["math"]["math500"]["streaming"]["32"]["by_problem"].keys() == {ids[0]}
+
+
+@pytest.mark.real_model
+def test_a_greedy_math_run_raises_its_token_cap_answering_again_only_the_answers_cut_short(tokenizer, tmp_path, monkeypatch):
+    """A higher --max-new-tokens in a greedy run's folder generates again only the answers that reached the old
+    cap; an answer that ended before it is kept as it is, and the cells then equal a fresh run's at the new cap.
+    The report counts the answers per cap. Lowering the cap, or raising it under sampling, is refused."""
+    from transformers import AutoTokenizer
+
+    from trikv.benchmarks.quality import math_task
+    from trikv.benchmarks.quality.report import text_tables
+    from trikv.benchmarks.quality.runner import config_from_preset, run_quality
+    from trikv.generation import generate
+    from trikv.models import resolve_model_path
+
+    model = tiny_model(vocab_size=len(tokenizer))
+    problems = math_task.load_problems("math500", limit=3)
+    ids = [p["id"] for p in problems]
+    # an end-of-text token that the first problem's greedy answer emits early and the other two never emit in 8
+    # tokens (under both methods): under a cap of 4 the first answer ends, the other two are cut short
+    prompts = [p["prompt"] for p in problems]
+    answers = [generate(model, tokenizer, prompts, method="full", max_new_tokens=8, engine="lean").tokens,
+               generate(model, tokenizer, prompts, method="streaming", budget=32, divide_length=128, max_new_tokens=8,
+                        engine="lean").tokens]
+    position, stop = next((i, t) for i, t in enumerate(answers[0][0][:3])
+                          if all(t not in a[0][:i] and t == a[0][i] and t not in a[1] + a[2] for a in answers))
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("smollm2-135m"))  # not the shared one
+    tokenizer.eos_token_id = stop
+    answered, original = [], math_task.run_math
+    def counting_run_math(*args, **kwargs):
+        answered.append((args[2], [p["id"] for p in args[5]]))
+        return original(*args, **kwargs)
+    monkeypatch.setattr(math_task, "run_math", counting_run_math)
+    setup = dict(tasks=["math"], methods=["full", "streaming"], budgets=[32], math_limit=3, math_samples=1,
+                 math_temperature=0.0, math_batch=2)
+    logged = []
+    run = lambda folder, cap, **extra: run_quality(config_from_preset("quick", math_max_new_tokens=cap, **(setup | extra)),
+                                                   folder, model=model, tokenizer=tokenizer, progress=False, log=logged.append)
+    run(tmp_path / "raised", 4)
+    cell_path = tmp_path / "raised" / "units" / "math-math500__streaming__32.json"
+    before = json.loads(cell_path.read_text())["records"]
+    assert [r["tokens"] for r in before] == [position + 1, 4, 4]
+    # a folder written before records named their cap: the cap comes from its configuration
+    for path in (tmp_path / "raised" / "units").glob("math-*.json"):
+        unit = json.loads(path.read_text())
+        path.write_text(json.dumps(unit | {"records": [{k: v for k, v in r.items() if k != "max_new_tokens"} for r in unit["records"]]}))
+    answered.clear()
+    raised = run(tmp_path / "raised", 8)
+    assert answered == [("full", ids[1:]), ("streaming", ids[1:])]
+    assert any("math token cap 4 -> 8: only the answers that reached 4 tokens are generated again" in line for line in logged)
+    after = json.loads(cell_path.read_text())["records"]
+    assert [r["id"] for r in after] == ids and after[0] == before[0] | {"max_new_tokens": 4}
+    assert [(r["tokens"], r["max_new_tokens"]) for r in after[1:]] == [(8, 8), (8, 8)]
+    fresh = run(tmp_path / "fresh", 8)
+    for method, budget in (("full", "full"), ("streaming", "32")):
+        raised_cell = raised["results"]["math"]["math500"][method][budget]
+        fresh_cell = fresh["results"]["math"]["math500"][method][budget]
+        assert raised_cell["answers_by_cap"] == {"4": 1, "8": 2} and fresh_cell["answers_by_cap"] == {"8": 3}
+        assert {k: v for k, v in raised_cell.items() if k != "answers_by_cap"} == {k: v for k, v in fresh_cell.items() if k != "answers_by_cap"}
+    tables = text_tables(raised)
+    assert "answers by the token cap they were generated under" in tables and "1 @ 4, 2 @ 8" in tables
+    assert "answers by the token cap" not in text_tables(fresh)
+    # the same cap again answers nothing; an answer cut short at 8 is not mistaken for one that ended after a cap raise
+    answered.clear()
+    run(tmp_path / "raised", 8)
+    assert answered == []
+    with pytest.raises(ValueError, match="differs in math_max_new_tokens.*only a greedy run may raise"):
+        run(tmp_path / "raised", 6)
+    run(tmp_path / "sampled", 4, math_temperature=0.6)
+    with pytest.raises(ValueError, match="differs in math_max_new_tokens.*only a greedy run may raise"):
+        run(tmp_path / "sampled", 8, math_temperature=0.6)
 
 
 @pytest.mark.real_model

@@ -124,6 +124,7 @@ def run_math(model, tokenizer, method: str, budget: int | None, method_options: 
             records.append({
                 "id": problem["id"], "sample": sample, "answer": problem["answer"], "predicted": predicted,
                 "correct": math_equal(predicted, problem["answer"], timeout=timeout), "tokens": len(result.tokens[row]),
+                "max_new_tokens": max_new_tokens,
             })
         if progress is not None:
             progress(len(group))
@@ -135,10 +136,15 @@ def summarise(records: list[dict]) -> dict:
     for r in records:
         by_problem.setdefault(r["id"], []).append(bool(r["correct"]))
     per_problem = [sum(v) / len(v) for v in by_problem.values()]
+    caps: dict[str, int] = {}  # answers per token cap they were generated under (greedy runs raise it in place)
+    for r in records:
+        if "max_new_tokens" in r:
+            caps[str(r["max_new_tokens"])] = caps.get(str(r["max_new_tokens"]), 0) + 1
     return {
         "pass@1": sum(per_problem) / len(per_problem) if per_problem else float("nan"),
         "by_problem": {problem: sum(v) / len(v) for problem, v in by_problem.items()},  # for paired comparisons
         "problems": len(per_problem),
         "samples": len(records),
         "mean_tokens": sum(r["tokens"] for r in records) / len(records) if records else 0.0,
+        "answers_by_cap": dict(sorted(caps.items(), key=lambda item: int(item[0]))),
     }

@@ -167,6 +167,14 @@ def sections(record: dict, markdown: bool) -> list[tuple[str, str]]:
             out.append((f"Math {dataset}: pass@1 ({n} problems,{selection} {meta['samples']} samples, {decoding}, "
                         f"{meta['max_new_tokens']} new tokens, {meta.get('engine', 'transformers')} engine, "
                         f"{meta.get('dtype', 'float32')}{batching}{held_out})", render(headers, rows, markdown)))
+            caps = {cap for methods in table.values() for cell in methods.values() for cap in cell.get("answers_by_cap", {})}
+            if len(caps) > 1:
+                headers, rows = _grid(record, table, lambda c: ", ".join(
+                    f"{n} @ {cap}" for cap, n in sorted(c.get("answers_by_cap", {}).items(), key=lambda item: int(item[0]))))
+                out.append((f"Math {dataset}: answers by the token cap they were generated under (n @ cap; the token "
+                            f"cap was raised in place: a greedy answer that ended before a lower cap is kept, one that "
+                            f"reached it was generated again with {meta['max_new_tokens']} tokens, in a new batch)",
+                            render(headers, rows, markdown)))
             paired = _math_paired(record, table)
             if paired:
                 out.append((f"Math {dataset}: each method against full attention on the same problems (points; +/-: "

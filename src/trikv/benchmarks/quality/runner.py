@@ -235,8 +235,10 @@ class QualityRun:
         self.out.mkdir(parents=True, exist_ok=True)
         self.model, self.tokenizer, self.stats = model, tokenizer, stats
         self.progress, self.log = progress, log
+        self.earlier_cap = config.math_max_new_tokens  # the token cap of math answers that do not name theirs
         self._check_config(fresh)
         self.units = UnitStore(self.out, fresh)
+        self._stamp_math_caps()
         self.stats_path = None
         self.unit_seconds: dict[str, float] = {}
 
@@ -245,23 +247,46 @@ class QualityRun:
         current = dataclasses.asdict(self.config)
         if path.exists() and not fresh:
             previous = json.loads(path.read_text())
-            # the number of math problems, like the methods and budgets, only says how far a run goes
+            # the number of math problems, like the methods and budgets, only says how far a run goes; so does a
+            # higher token cap under greedy decoding: an answer that ended before the old cap ends there again
             previous_limit = previous.get("config", {}).get("math_limit", self.config.math_limit)
-            same_limit = dataclasses.replace(self.config, math_limit=previous_limit)
-            if previous.get("fingerprint") != same_limit.fingerprint() or previous_limit != self.config.math_limit:
-                if self._previous_setup(previous) != same_limit.fingerprint(grid=False):
+            previous_cap = previous.get("config", {}).get("math_max_new_tokens", self.config.math_max_new_tokens)
+            raised_cap = self.config.math_temperature == 0 and previous_cap < self.config.math_max_new_tokens
+            same_extent = dataclasses.replace(self.config, math_limit=previous_limit,
+                                              math_max_new_tokens=previous_cap if raised_cap else self.config.math_max_new_tokens)
+            if previous.get("fingerprint") != same_extent.fingerprint() or same_extent != self.config:
+                if self._previous_setup(previous) != same_extent.fingerprint(grid=False):
                     changed = sorted(k for k in current if previous.get("config", {}).get(k) != current[k])
+                    hint = (" (only a greedy run may raise --max-new-tokens in place)" if "math_max_new_tokens" in changed
+                            else "")
                     raise ValueError(
-                        f"{self.out} holds a run with another configuration (differs in {', '.join(changed)}); "
+                        f"{self.out} holds a run with another configuration (differs in {', '.join(changed)}){hint}; "
                         "use another --out folder or --fresh to start over"
                     )
                 # same setup, other methods or budgets: the cells both grids share are reused, the rest computed
                 problems = (f"; math problems {previous_limit or 'all'} -> {self.config.math_limit or 'all'}"
                             if previous_limit != self.config.math_limit else "")
+                if raised_cap:
+                    problems += (f"; math token cap {previous_cap} -> {self.config.math_max_new_tokens}: only the answers "
+                                 f"that reached {previous_cap} tokens are generated again")
                 self.log(f"{self.out}: running another grid in this folder (methods {', '.join(self.config.methods)}; budgets "
                          f"{', '.join(map(str, self.config.budgets))}{problems}); its finished cells and answers are reused")
+            self.earlier_cap = previous_cap
         path.write_text(json.dumps({"fingerprint": self.config.fingerprint(), "setup_fingerprint": self.config.fingerprint(grid=False),
                                     "config": current}, indent=1))
+
+    def _stamp_math_caps(self) -> None:
+        """Math answers from before each record named its token cap were all generated under the folder's previous
+        cap: write it into them before this run's cap replaces it in config.json, so that an answer that reached
+        it is still known as cut short after any later run."""
+        for path in sorted(self.units.dir.glob("math-*.json")):
+            unit = json.loads(path.read_text())
+            unnamed = [record for record in unit["records"] if "max_new_tokens" not in record]
+            if unnamed:
+                for record in unnamed:
+                    record["max_new_tokens"] = self.earlier_cap
+                path.with_suffix(".tmp").write_text(json.dumps(unit, indent=1))
+                path.with_suffix(".tmp").replace(path)
 
     def _previous_setup(self, previous: dict) -> str | None:
         """The grid-free fingerprint of the run in the folder. Folders written before it was stored are
@@ -542,13 +567,23 @@ class QualityRun:
                 name = f"math-{dataset}"
                 unit = self.units.get(name, method, budget)
                 done = [] if unit is None else unit["records"]
-                answered = {r["id"] for r in done}
-                # a run with more problems than the cell holds answers only the missing ones when they follow the
-                # answered ones (as after a smaller --limit); otherwise the cell starts over
-                start = next((i for i, p in enumerate(problems) if p["id"] not in answered), len(problems))
-                if any(p["id"] in answered for p in problems[start:]):
-                    done, start = [], 0
-                todo = problems[start:]
+                if c.math_temperature == 0:
+                    # greedy: a problem is answered again only when it is missing or its answer was cut short by a
+                    # lower cap than this run's (a greedy answer does not depend on its batch or seed)
+                    cut_short = {r["id"] for r in done
+                                 if r["max_new_tokens"] < c.math_max_new_tokens and r["tokens"] >= r["max_new_tokens"]}
+                    answered = {r["id"] for r in done} - cut_short
+                    done = [r for r in done if r["id"] in answered]
+                    todo = [p for p in problems if p["id"] not in answered]
+                    start = problems.index(todo[0]) if todo else len(problems)
+                else:
+                    answered = {r["id"] for r in done}
+                    # a run with more problems than the cell holds answers only the missing ones when they follow
+                    # the answered ones (as after a smaller --limit): their seeds then match a fresh run's
+                    start = next((i for i, p in enumerate(problems) if p["id"] not in answered), len(problems))
+                    if any(p["id"] in answered for p in problems[start:]):
+                        done, start = [], 0
+                    todo = problems[start:]
                 if todo:
                     bar = self._bar(len(todo), f"{name} {method} B={budget}", unit="problem")
                     records = self._timed(f"{name}/{method}/{budget}", lambda: math_task.run_math(
@@ -556,7 +591,8 @@ class QualityRun:
                         c.math_max_new_tokens, c.seed, temperature=c.math_temperature, divide_length=c.divide_length,
                         engine=c.math_engine, problems_per_batch=c.math_batch, progress=bar.update, first_index=start))
                     bar.close()
-                    records = done + records
+                    order = {p["id"]: i for i, p in enumerate(problems)}
+                    records = sorted(done + records, key=lambda r: order.get(r["id"], len(order)))
                     earlier_seconds = unit["seconds"] if done else 0.0
                     unit = {"summary": math_task.summarise(records), "records": records,
                             "seconds": earlier_seconds + self.unit_seconds[f"{name}/{method}/{budget}"]}
