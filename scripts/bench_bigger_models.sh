@@ -38,7 +38,8 @@ trikv bench quality --task fidelity --text-file runs/texts/python-reference-long
   --horizons 128,512,1024,2048,4096 --recall-stride 8 --threads 2 --no-progress --model qwen2.5-coder-0.5b --budgets 819 \
   --methods full,triattention,triattention-window,triattention-dedup,snapkv,rkv,h2o,streaming \
   --out runs/quality/qwen2.5-coder-0.5b-fidelity-8k
-# B = 1024 on the 1.5B with the baselines that lead at the smaller budgets (~35 min, two threads alone)
+# B = 1024 on the 1.5B: first the baselines that lead at the smaller budgets (~35 min, two threads alone), then the
+# other five methods (~25 min)
 trikv bench quality "${common[@]}" --model qwen2.5-coder-1.5b --budgets 1024 \
   --methods full,triattention-window,h2o,tova,triattention,snapkv,rkv,triattention-dedup,streaming,knorm,tam-shared,pam-shared \
   --out runs/quality/qwen2.5-coder-1.5b-fidelity-b1024
