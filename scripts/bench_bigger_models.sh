@@ -91,7 +91,9 @@ trikv bench quality --task math --model qwen2.5-coder-1.5b --budgets 1024 --meth
   --out runs/quality/qwen2.5-coder-1.5b-math-long-b1024
 # B = 256 with up to 2,048 new tokens on the same 100 problems: greedy answers that ended before the 1,024-token cap
 # end there again, so the copied folder raises the cap in place and generates again only the answers that reached
-# it (5-15 per method, one batch each, ~15-20 min a cell; one process per method as above)
+# it (5-15 per method, one batch each, ~15-20 min a cell; one process per method as above). The new batch changes
+# bf16 answers too: several regenerated answers end below 1,024 tokens. triattention-dedup's cell did not fit the
+# session that ran the others.
 [ -d runs/quality/qwen2.5-coder-1.5b-math-100-2048 ] || cp -r runs/quality/qwen2.5-coder-1.5b-math-100 runs/quality/qwen2.5-coder-1.5b-math-100-2048
 math2048=(--task math --model qwen2.5-coder-1.5b --budgets 256 --limit 100 --samples 1 --math-batch 32 --temperature 0
           --max-new-tokens 2048 --dtype bfloat16 --threads 2 --no-progress --out runs/quality/qwen2.5-coder-1.5b-math-100-2048)

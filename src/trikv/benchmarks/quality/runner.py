@@ -569,7 +569,8 @@ class QualityRun:
                 done = [] if unit is None else unit["records"]
                 if c.math_temperature == 0:
                     # greedy: a problem is answered again only when it is missing or its answer was cut short by a
-                    # lower cap than this run's (a greedy answer does not depend on its batch or seed)
+                    # lower cap than this run's. Greedy needs no seed; in a new batch a reduced-precision answer can
+                    # still change (sums run in another order), which is why the report counts answers per cap
                     cut_short = {r["id"] for r in done
                                  if r["max_new_tokens"] < c.math_max_new_tokens and r["tokens"] >= r["max_new_tokens"]}
                     answered = {r["id"] for r in done} - cut_short
