@@ -196,7 +196,10 @@ class UnitStore:
         return json.loads(path.read_text()) if path.exists() else None
 
     def put(self, task, method, budget, value) -> None:
-        path = self._path(task, method, budget)
+        self.write(self._path(task, method, budget), value)
+
+    def write(self, path: Path, value) -> None:
+        """Replace a unit file in one step: a run stopped mid-write leaves the old unit, never half a new one."""
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(value, indent=1, default=_json_default))
         tmp.replace(path)
@@ -285,8 +288,7 @@ class QualityRun:
             if unnamed:
                 for record in unnamed:
                     record["max_new_tokens"] = self.earlier_cap
-                path.with_suffix(".tmp").write_text(json.dumps(unit, indent=1))
-                path.with_suffix(".tmp").replace(path)
+                self.units.write(path, unit)
 
     def _previous_setup(self, previous: dict) -> str | None:
         """The grid-free fingerprint of the run in the folder. Folders written before it was stored are
