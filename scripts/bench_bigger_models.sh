@@ -38,9 +38,9 @@ trikv bench quality --task fidelity --text-file runs/texts/python-reference-long
   --horizons 128,512,1024,2048,4096 --recall-stride 8 --threads 2 --no-progress --model qwen2.5-coder-0.5b --budgets 819 \
   --methods full,triattention,triattention-window,triattention-dedup,snapkv,rkv,h2o,streaming \
   --out runs/quality/qwen2.5-coder-0.5b-fidelity-8k
-# B = 1024 on the 1.5B: first the baselines that lead at the smaller budgets (~35 min, two threads alone), then the
-# other five methods (~25 min)
-trikv bench quality "${common[@]}" --model qwen2.5-coder-1.5b --budgets 1024 \
+# B = 1024 on the 1.5B, all twelve methods in one run (~35 min, two threads, alone)
+trikv bench quality --task fidelity --texts python-reference,math-solutions --text-tokens 4096 --horizons 128,512,1024,2048 \
+  --recall-stride 8 --threads 2 --no-progress --model qwen2.5-coder-1.5b --budgets 1024 \
   --methods full,triattention-window,h2o,tova,triattention,snapkv,rkv,triattention-dedup,streaming,knorm,tam-shared,pam-shared \
   --out runs/quality/qwen2.5-coder-1.5b-fidelity-b1024
 trikv bench quality --task needle --model qwen2.5-coder-0.5b --needle-lengths 2048,4096 --needle-depths 0.25,0.75 \
@@ -104,6 +104,11 @@ trikv bench quality --task fidelity --text-file runs/texts/python-reference-long
   --horizons 128,512,1024,2048,4096 --recall-stride 8 --threads 2 --no-progress --model qwen2.5-coder-1.5b --budgets 819 \
   --methods full,triattention,triattention-window,triattention-dedup,snapkv,rkv,h2o,streaming \
   --out runs/quality/qwen2.5-coder-1.5b-fidelity-8k
+# the rest of the baselines on the same text (triattention again, as the anchor both runs share)
+trikv bench quality --task fidelity --text-file runs/texts/python-reference-long.txt --text-tokens 8192 \
+  --horizons 128,512,1024,2048,4096 --recall-stride 8 --threads 2 --no-progress --model qwen2.5-coder-1.5b --budgets 819 \
+  --methods full,triattention,tova,knorm,tam-shared,pam-shared \
+  --out runs/quality/qwen2.5-coder-1.5b-fidelity-8k-more
 trikv bench quality --methods full,triattention,triattention-window,snapkv,streaming --threads 1 --no-progress \
   --out runs/quality-quick
 trikv bench report runs/quality-quick runs/quality/qwen2.5-coder-0.5b-fidelity runs/quality/qwen2.5-coder-0.5b-fidelity-b1024 \
@@ -113,4 +118,5 @@ trikv bench report runs/quality-quick runs/quality/qwen2.5-coder-0.5b-fidelity r
   runs/quality/qwen2.5-coder-1.5b-dfs-generative-small \
   runs/quality/qwen2.5-coder-1.5b-math \
   runs/quality/qwen2.5-coder-1.5b-math-100 runs/quality/qwen2.5-coder-1.5b-math-long-b1024 \
-  runs/quality/qwen2.5-coder-1.5b-math-100-2048 runs/quality/qwen2.5-coder-1.5b-fidelity-8k --out docs/results.md
+  runs/quality/qwen2.5-coder-1.5b-math-100-2048 runs/quality/qwen2.5-coder-1.5b-fidelity-8k \
+  runs/quality/qwen2.5-coder-1.5b-fidelity-8k-more --out docs/results.md

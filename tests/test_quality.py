@@ -201,6 +201,36 @@ def test_diagnosis_rank_correlation():
     assert _spearman([1.0, 2.0, 3.0, 4.0], [1.0, 3.0, 2.0, 4.0]) == pytest.approx(0.8)
 
 
+def test_diagnosis_names_the_methods_above_the_oracle_at_each_horizon():
+    from trikv.benchmarks.quality.report import diagnosis
+
+    def recall_cell(total, by_horizon):
+        return {"recall": total, "by_horizon": {label: {"recall": value, "mass_share": 0.5}
+                                                for label, value in by_horizon.items()}}
+
+    fidelity = {"kl": 0.1, "top1_agreement": 0.9}
+    record = {
+        "config": {"budgets": [64], "methods": ["full", "triattention", "snapkv", "h2o"], "horizons": [128]},
+        "results": {
+            "fidelity": {"methods": {"triattention": {"64": fidelity}, "snapkv": {"64": dict(fidelity, kl=0.2)},
+                                     "h2o": {"64": dict(fidelity, kl=0.3)}}},
+            "recall": {"methods": {
+                "triattention": {"64": recall_cell(0.90, {"0-128": 0.95, "128+": 0.85})},
+                "snapkv": {"64": recall_cell(0.88, {"0-128": 0.99, "128+": 0.77})},
+                # equal to the oracle as printed: not "above" it
+                "h2o": {"64": recall_cell(0.87, {"0-128": 0.97, "128+": 0.8004})},
+                "oracle": {"64": recall_cell(0.92, {"0-128": 0.96, "128+": 0.80})},
+            }},
+        },
+    }
+    lines = [line for line in diagnosis(record) if "above the oracle" in line]
+    assert lines == ["B=64: methods above the oracle at a horizon (the oracle ranks keys by the attention of all later "
+                     "queries, not of one horizon's): 0-128 (oracle 0.960): `snapkv` 0.990, `h2o` 0.970; "
+                     "128+ (oracle 0.800): `triattention` 0.850."]
+    record["results"]["recall"]["methods"]["oracle"]["64"] = recall_cell(0.95, {"0-128": 1.0, "128+": 0.9})
+    assert not [line for line in diagnosis(record) if "above the oracle" in line]
+
+
 def test_recall_by_horizon_single_head_value(tiny):
     """A one-layer, one-head model makes the by-horizon figure equal to the direct ratio."""
     model = tiny_model(num_hidden_layers=1, num_attention_heads=1, num_key_value_heads=1, hidden_size=32)
