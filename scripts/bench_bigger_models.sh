@@ -109,6 +109,10 @@ trikv bench quality --task fidelity --text-file runs/texts/python-reference-long
   --horizons 128,512,1024,2048,4096 --recall-stride 8 --threads 2 --no-progress --model qwen2.5-coder-1.5b --budgets 819 \
   --methods full,triattention,tova,knorm,tam-shared,pam-shared \
   --out runs/quality/qwen2.5-coder-1.5b-fidelity-8k-more
+trikv bench quality --task fidelity --text-file runs/texts/python-reference-long.txt --text-tokens 8192 \
+  --horizons 128,512,1024,2048,4096 --recall-stride 8 --threads 2 --no-progress --model qwen2.5-coder-0.5b --budgets 819 \
+  --methods full,triattention,tova,knorm,tam-shared,pam-shared \
+  --out runs/quality/qwen2.5-coder-0.5b-fidelity-8k-more
 trikv bench quality --methods full,triattention,triattention-window,snapkv,streaming --threads 1 --no-progress \
   --out runs/quality-quick
 trikv bench report runs/quality-quick runs/quality/qwen2.5-coder-0.5b-fidelity runs/quality/qwen2.5-coder-0.5b-fidelity-b1024 \
@@ -119,4 +123,4 @@ trikv bench report runs/quality-quick runs/quality/qwen2.5-coder-0.5b-fidelity r
   runs/quality/qwen2.5-coder-1.5b-math \
   runs/quality/qwen2.5-coder-1.5b-math-100 runs/quality/qwen2.5-coder-1.5b-math-long-b1024 \
   runs/quality/qwen2.5-coder-1.5b-math-100-2048 runs/quality/qwen2.5-coder-1.5b-fidelity-8k \
-  runs/quality/qwen2.5-coder-1.5b-fidelity-8k-more --out docs/results.md
+  runs/quality/qwen2.5-coder-1.5b-fidelity-8k-more runs/quality/qwen2.5-coder-0.5b-fidelity-8k-more --out docs/results.md
