@@ -92,10 +92,6 @@ trikv bench quality --task math --model qwen2.5-coder-1.5b --budgets 1024 --meth
 # B = 256 with up to 2,048 new tokens on the same 100 problems: greedy answers that ended before the 1,024-token cap
 # end there again, so the copied folder raises the cap in place and generates again only the answers that reached
 # it (5-15 per method, one batch each, ~15-20 min a cell; one process per method as above). The new batch changes
-# the 1.5B's passkey at 8,192 tokens (bf16, two threads alone)
-trikv bench quality --task needle --model qwen2.5-coder-1.5b --needle-lengths 8192 --needle-depths 0.25,0.75 \
-  --methods full,triattention,triattention-window,triattention-dedup,snapkv,h2o,streaming --budgets 256 --dtype bfloat16 \
-  --threads 2 --no-progress --out runs/quality/qwen2.5-coder-1.5b-needle-8k
 # bf16 answers too: several regenerated answers end below 1,024 tokens. triattention-dedup's cell did not fit the
 # session that ran the others.
 [ -d runs/quality/qwen2.5-coder-1.5b-math-100-2048 ] || cp -r runs/quality/qwen2.5-coder-1.5b-math-100 runs/quality/qwen2.5-coder-1.5b-math-100-2048
@@ -118,6 +114,10 @@ trikv bench quality --task fidelity --text-file runs/texts/python-reference-long
   --horizons 128,512,1024,2048,4096 --recall-stride 8 --threads 2 --no-progress --model qwen2.5-coder-0.5b --budgets 819 \
   --methods full,triattention,tova,knorm,tam-shared,pam-shared \
   --out runs/quality/qwen2.5-coder-0.5b-fidelity-8k-more
+# the 1.5B's passkey at 8,192 tokens (bf16, two threads alone)
+trikv bench quality --task needle --model qwen2.5-coder-1.5b --needle-lengths 8192 --needle-depths 0.1,0.25,0.5,0.75,0.9 \
+  --methods full,triattention,triattention-window,triattention-dedup,snapkv,h2o,streaming --budgets 256 --dtype bfloat16 \
+  --threads 2 --no-progress --out runs/quality/qwen2.5-coder-1.5b-needle-8k
 trikv bench quality --methods full,triattention,triattention-window,snapkv,streaming --threads 1 --no-progress \
   --out runs/quality-quick
 trikv bench report runs/quality-quick runs/quality/qwen2.5-coder-0.5b-fidelity runs/quality/qwen2.5-coder-0.5b-fidelity-b1024 \
