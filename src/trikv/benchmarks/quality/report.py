@@ -303,9 +303,9 @@ def diagnosis(record: dict, method: str = "triattention") -> list[str]:
                 best = oracle["by_horizon"].get(label)
                 if not best:
                     continue
+                recalls = [(m, r.get("by_horizon", {}).get(label, {}).get("recall", 0.0)) for m, _, r in rows]
                 # compared as printed (3 decimals), so no method is called "above" an equal-looking figure
-                leaders = [(m, r["by_horizon"][label]["recall"]) for m, _, r in rows
-                           if round(r.get("by_horizon", {}).get(label, {}).get("recall", 0.0), 3) > round(best["recall"], 3)]
+                leaders = [(m, value) for m, value in recalls if round(value, 3) > round(best["recall"], 3)]
                 if leaders:
                     leaders.sort(key=lambda item: -item[1])
                     above.append(f"{label} (oracle {best['recall']:.3f}): "
