@@ -99,6 +99,11 @@ math2048=(--task math --model qwen2.5-coder-1.5b --budgets 256 --limit 100 --sam
           --max-new-tokens 2048 --dtype bfloat16 --threads 2 --no-progress --out runs/quality/qwen2.5-coder-1.5b-math-100-2048)
 for method in triattention rkv snapkv triattention-dedup streaming; do trikv bench quality "${math2048[@]}" --methods full,$method; done
 trikv bench quality "${math2048[@]}" --methods full,triattention,triattention-dedup,rkv,snapkv,streaming
+# B = 512 on the same 100 problems, 1,024 new tokens (~36 min a method, two threads alone); full attention's answers
+# are the same batches as at B = 256, so they reproduce that run's full column
+m512=(--task math --model qwen2.5-coder-1.5b --budgets 512 --limit 100 --samples 1 --math-batch 32 --temperature 0
+      --max-new-tokens 1024 --dtype bfloat16 --threads 2 --no-progress --out runs/quality/qwen2.5-coder-1.5b-math-100-b512)
+for method in triattention rkv snapkv streaming; do trikv bench quality "${m512[@]}" --methods full,$method; done
 # the 1.5B on the 8,192-token text (horizons out to 4K; ~45 min, two threads alone)
 trikv bench quality --task fidelity --text-file runs/texts/python-reference-long.txt --text-tokens 8192 \
   --horizons 128,512,1024,2048,4096 --recall-stride 8 --threads 2 --no-progress --model qwen2.5-coder-1.5b --budgets 819 \
@@ -129,4 +134,4 @@ trikv bench report runs/quality-quick runs/quality/qwen2.5-coder-0.5b-fidelity r
   runs/quality/qwen2.5-coder-1.5b-math-100 runs/quality/qwen2.5-coder-1.5b-math-long-b1024 \
   runs/quality/qwen2.5-coder-1.5b-math-100-2048 runs/quality/qwen2.5-coder-1.5b-fidelity-8k \
   runs/quality/qwen2.5-coder-1.5b-fidelity-8k-more runs/quality/qwen2.5-coder-0.5b-fidelity-8k-more \
-  runs/quality/qwen2.5-coder-1.5b-needle-8k --out docs/results.md
+  runs/quality/qwen2.5-coder-1.5b-needle-8k runs/quality/qwen2.5-coder-1.5b-math-100-b512 --out docs/results.md

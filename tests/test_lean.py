@@ -148,6 +148,37 @@ def test_memory_stays_within_budget_plus_slack_over_many_rounds():
     assert cache.get_seq_length() == 40 + 299
 
 
+def test_release_free_heap_returns_the_pages_of_freed_blocks():
+    """Blocks freed between live ones stay resident (glibc keeps them for reuse) until release_free_heap."""
+    from trikv.heap import release_free_heap
+
+    def resident() -> int:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * 4096
+
+    if not release_free_heap():
+        pytest.skip("no glibc malloc_trim here")
+    blocks = [torch.ones(16 * 1024) for _ in range(2000)]  # 64 KiB each: heap blocks, below the mmap threshold
+    del blocks[::2]  # ~62 MiB of holes between live blocks
+    before = resident()
+    assert release_free_heap()
+    assert before - resident() > 31 * 2**20
+
+
+def test_generation_releases_the_free_heap_every_few_steps(monkeypatch):
+    """A long generation hands freed pages back every HEAP_RELEASE_STEPS decode steps, on both engines."""
+    import trikv.generation as generation
+
+    monkeypatch.setattr(generation, "HEAP_RELEASE_STEPS", 4)
+    model = tiny_model("llama")
+    for engine in ("transformers", "lean"):
+        calls = []
+        monkeypatch.setattr(generation, "release_free_heap", lambda: calls.append(1) or True)
+        result = trikv.generate(model, _Tokenizer(), [[5, 6, 7]], method="full", max_new_tokens=10, min_new_tokens=10,
+                                engine=engine)
+        assert result.steps == 10 and len(calls) == 2  # after steps 4 and 8
+
+
 def test_scoring_ahead_is_used_and_changes_nothing():
     model = tiny_model("llama")
     stats = tiny_stats(model)

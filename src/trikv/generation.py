@@ -20,7 +20,10 @@ from transformers.generation.logits_process import (
 
 from .cache import DEFAULT_BUDGET, DEFAULT_DIVIDE_LENGTH, CompressedCache, make_cache
 from .compat import cache_kwargs
+from .heap import release_free_heap
 from .validation import integer, positive, probability
+
+HEAP_RELEASE_STEPS = 32  # decode steps between handing freed heap pages back to the OS (trikv.heap)
 
 
 def cache_bytes(cache) -> int:
@@ -222,6 +225,8 @@ def generate(
         peak_bytes = max(peak_bytes, cache_bytes(cache))
         peak_entries = max(peak_entries, cache_entries(cache))
         bar.update(1)
+        if (step + 1) % HEAP_RELEASE_STEPS == 0:  # outside the timed step: freed growing buffers would pile up
+            release_free_heap()
         if bool(finished.all()):
             break
         attention_mask = torch.cat([attention_mask, attention_mask.new_ones(rows, 1)], dim=-1)

@@ -51,13 +51,10 @@ def current_rss() -> int:
 
 def release_free_memory() -> None:
     """Return freed heap memory to the OS (glibc malloc_trim), so the next group's RSS starts from what is live."""
-    gc.collect()
-    try:
-        import ctypes
+    from ...heap import release_free_heap
 
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+    gc.collect()
+    release_free_heap()
 
 
 def peak_rss() -> int:
