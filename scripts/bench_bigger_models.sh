@@ -99,8 +99,9 @@ math2048=(--task math --model qwen2.5-coder-1.5b --budgets 256 --limit 100 --sam
           --max-new-tokens 2048 --dtype bfloat16 --threads 2 --no-progress --out runs/quality/qwen2.5-coder-1.5b-math-100-2048)
 for method in triattention rkv snapkv triattention-dedup streaming; do trikv bench quality "${math2048[@]}" --methods full,$method; done
 trikv bench quality "${math2048[@]}" --methods full,triattention,triattention-dedup,rkv,snapkv,streaming
-# B = 512 on the same 100 problems, 1,024 new tokens (~36 min a method, two threads alone); full attention's answers
-# are the same batches as at B = 256, so they reproduce that run's full column
+# B = 512 on the same 100 problems, 1,024 new tokens (~30 min a method, two threads alone); full attention's answers
+# are the same batches as at B = 256 and reproduce that run's full column. The session that ran full, triattention
+# and rkv had no time left for snapkv and streaming
 m512=(--task math --model qwen2.5-coder-1.5b --budgets 512 --limit 100 --samples 1 --math-batch 32 --temperature 0
       --max-new-tokens 1024 --dtype bfloat16 --threads 2 --no-progress --out runs/quality/qwen2.5-coder-1.5b-math-100-b512)
 for method in triattention rkv snapkv streaming; do trikv bench quality "${m512[@]}" --methods full,$method; done
