@@ -666,6 +666,18 @@ def test_math_run_reports_its_decoding(tokenizer, tmp_path):
         ["32", "triattention-dedup", "streaming", "+0.0", "+1", "/", "-1", "1.00"]]
 
 
+def test_report_says_when_a_run_reused_units_of_earlier_invocations():
+    """A run computed in one invocation reports its wall time; a run whose last invocation reused finished units
+    says that its wall time covers only part of the compute, instead of a bare near-zero wall time."""
+    from trikv.benchmarks.quality.report import _time_line
+
+    assert _time_line({"wall_seconds": 600.0, "compute_seconds": 540.0}) == "wall time 10.0 min (compute over all units 9.0 min)"
+    reused = _time_line({"wall_seconds": 2.0, "compute_seconds": 5304.0})
+    assert reused.startswith("compute over all units 88.4 min (this invocation's wall time 0.0 min;")
+    assert "reused units" in reused
+    assert _time_line({"wall_seconds": 90.0}) == "wall time 1.5 min (compute over all units 1.5 min)"
+
+
 def test_sign_test_matches_counting_every_outcome():
     """The exact sign test against its definition: the share of all 2^n win/loss sequences whose split is at
     least as uneven as the observed one."""
