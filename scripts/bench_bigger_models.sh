@@ -100,11 +100,12 @@ math2048=(--task math --model qwen2.5-coder-1.5b --budgets 256 --limit 100 --sam
 for method in triattention rkv snapkv triattention-dedup streaming; do trikv bench quality "${math2048[@]}" --methods full,$method; done
 trikv bench quality "${math2048[@]}" --methods full,triattention,triattention-dedup,rkv,snapkv,streaming
 # B = 512 on the same 100 problems, 1,024 new tokens (~30 min a method, two threads alone); full attention's answers
-# are the same batches as at B = 256 and reproduce that run's full column. The session that ran full, triattention
-# and rkv had no time left for snapkv and streaming
+# are the same batches as at B = 256 and reproduce that run's full column. Two sessions ran it, one method at a time;
+# the last invocation only collects the finished cells into results.json
 m512=(--task math --model qwen2.5-coder-1.5b --budgets 512 --limit 100 --samples 1 --math-batch 32 --temperature 0
       --max-new-tokens 1024 --dtype bfloat16 --threads 2 --no-progress --out runs/quality/qwen2.5-coder-1.5b-math-100-b512)
-for method in triattention rkv snapkv streaming; do trikv bench quality "${m512[@]}" --methods full,$method; done
+for method in triattention rkv snapkv streaming triattention-dedup; do trikv bench quality "${m512[@]}" --methods full,$method; done
+trikv bench quality "${m512[@]}" --methods full,triattention,triattention-dedup,rkv,snapkv,streaming
 # the 1.5B on the 8,192-token text (horizons out to 4K; ~45 min, two threads alone)
 trikv bench quality --task fidelity --text-file runs/texts/python-reference-long.txt --text-tokens 8192 \
   --horizons 128,512,1024,2048,4096 --recall-stride 8 --threads 2 --no-progress --model qwen2.5-coder-1.5b --budgets 819 \
