@@ -601,6 +601,12 @@ def test_math_task_smoke(tokenizer):
     assert config_from_preset("quick").math_engine == "lean"
     with pytest.raises(ValueError, match="math_engine must be"):
         config_from_preset("quick", math_engine="vllm")
+    with pytest.raises(ValueError, match="methods given more than once: full"):
+        config_from_preset("quick", methods=["full", "streaming", "full"])
+    with pytest.raises(ValueError, match="budgets given more than once: 64"):
+        config_from_preset("quick", budgets=[64, 128, 64])
+    with pytest.raises(ValueError, match="tasks given more than once: math"):
+        config_from_preset("quick", tasks=["math", "math"])
     fake = [{"id": "a", "correct": True, "tokens": 3}, {"id": "a", "correct": False, "tokens": 5},
             {"id": "b", "correct": True, "tokens": 4}, {"id": "b", "correct": True, "tokens": 4}]
     assert math_task.summarise(fake)["pass@1"] == pytest.approx(0.75)
