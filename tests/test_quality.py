@@ -684,6 +684,26 @@ def test_report_says_when_a_run_reused_units_of_earlier_invocations():
     assert _time_line({"wall_seconds": 90.0}) == "wall time 1.5 min (compute over all units 1.5 min)"
 
 
+def test_full_attention_is_drawn_as_a_visible_line_when_a_run_has_one_budget():
+    """With one budget a dashed two-point line would have one point and draw nothing; full attention's
+    reference must still span the panel at its value."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from trikv.benchmarks.quality.report import _panel
+
+    for budgets, lines in (([128], {"full": [0.43], "rkv": [0.28]}), ([64, 128], {"full": [0.43, 0.43], "rkv": [0.2, 0.28]})):
+        figure, ax = plt.subplots()
+        _panel(ax, budgets, lines, "pass@1", "math")
+        full = next(line for line in ax.get_lines() if line.get_label() == "full")
+        x_data, y_data = (list(map(float, data)) for data in full.get_data())
+        assert set(y_data) == {0.43}
+        assert len(set(x_data)) == 2, x_data  # two distinct ends: a visible segment
+        plt.close(figure)
+
+
 def test_sign_test_matches_counting_every_outcome():
     """The exact sign test against its definition: the share of all 2^n win/loss sequences whose split is at
     least as uneven as the observed one."""

@@ -412,6 +412,10 @@ def _series(record, table, getter):
 
 def _panel(ax, budgets, lines, ylabel, title, logy=False):
     for method, values in lines.items():
+        if method == "full" and len(budgets) == 1:
+            # a one-point dashed line draws nothing; full attention does not depend on the budget
+            ax.axhline(values[0], label=method, linestyle="--", color="black")
+            continue
         style = dict(linestyle="--", color="black") if method == "full" else dict(marker="o")
         ax.plot(budgets, values, label=method, **style)
     ax.set_xscale("log", base=2)
