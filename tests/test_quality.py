@@ -685,8 +685,8 @@ def test_report_says_when_a_run_reused_units_of_earlier_invocations():
 
 
 def test_full_attention_is_drawn_as_a_visible_line_when_a_run_has_one_budget():
-    """With one budget a dashed two-point line would have one point and draw nothing; full attention's
-    reference must still span the panel at its value."""
+    """With one budget a dashed line through the one point draws nothing; full attention's reference must
+    still span the panel at its value."""
     import matplotlib
 
     matplotlib.use("Agg")
