@@ -110,8 +110,8 @@ trikv bench quality "${m512[@]}" --methods full,triattention,triattention-dedup,
 # one invocation per method so each finished method is kept, the last only collects the cells into results.json
 m128=(--task math --model qwen2.5-coder-1.5b --budgets 128 --limit 100 --samples 1 --math-batch 32 --temperature 0
       --max-new-tokens 1024 --dtype bfloat16 --threads 2 --no-progress --out runs/quality/qwen2.5-coder-1.5b-math-100-b128)
-for method in triattention rkv snapkv streaming; do trikv bench quality "${m128[@]}" --methods full,$method; done
-trikv bench quality "${m128[@]}" --methods full,triattention,rkv,snapkv,streaming
+for method in triattention rkv snapkv streaming triattention-dedup; do trikv bench quality "${m128[@]}" --methods full,$method; done
+trikv bench quality "${m128[@]}" --methods full,triattention,triattention-dedup,rkv,snapkv,streaming
 # the 1.5B on the 8,192-token text (horizons out to 4K; ~45 min, two threads alone)
 trikv bench quality --task fidelity --text-file runs/texts/python-reference-long.txt --text-tokens 8192 \
   --horizons 128,512,1024,2048,4096 --recall-stride 8 --threads 2 --no-progress --model qwen2.5-coder-1.5b --budgets 819 \
