@@ -131,7 +131,7 @@ trikv bench quality --task fidelity --text-file runs/texts/python-reference-long
 trikv bench quality --task needle --model qwen2.5-coder-1.5b --needle-lengths 8192 --needle-depths 0.1,0.25,0.5,0.75,0.9 \
   --methods full,triattention,triattention-window,triattention-dedup,snapkv,h2o,streaming --budgets 256 --dtype bfloat16 \
   --threads 2 --no-progress --out runs/quality/qwen2.5-coder-1.5b-needle-8k
-trikv bench quality --methods full,triattention,triattention-window,snapkv,streaming --threads 1 --no-progress \
+trikv bench quality --methods full,triattention,triattention-window,snapkv,streaming --threads 2 --no-progress \
   --out runs/quality-quick
 trikv bench report runs/quality-quick runs/quality/qwen2.5-coder-0.5b-fidelity runs/quality/qwen2.5-coder-0.5b-fidelity-b1024 \
   runs/quality/qwen2.5-coder-0.5b-fidelity-8k runs/quality/qwen2.5-coder-1.5b-fidelity \

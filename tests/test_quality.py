@@ -305,11 +305,72 @@ def test_dfs_question_states_the_form_its_expected_answer_has():
 
     graph = dfs.make_graphs(1, seed=3, min_steps=6)[0]
     for k in (1, 3, 5):
-        form = re.search(r"Answer on one line as: (.*)\nAnswer:$", dfs.question_text(k)).group(1)
+        form = re.search(r"in the form: (.*)$", dfs.question_text(k)).group(1)
         state = graph.states[k]
-        filled = (form.replace("<node>", str(state.node), 1).replace("<nodes>", ", ".join(map(str, state.stack)), 1)
-                  .replace("<nodes>", ", ".join(map(str, state.visited)), 1))
+        filled = (form.replace(" N;", f" {state.node};", 1)
+                  .replace("[A, B, ...]", "[" + ", ".join(map(str, state.stack)) + "]", 1)
+                  .replace("[A, B, ...]", "[" + ", ".join(map(str, state.visited)) + "]", 1))
+        assert filled == "".join(text for _, text in dfs.answer_fields(state, lead=""))
         assert " " + filled == "".join(text for _, text in dfs.answer_fields(state))
+
+
+def test_dfs_prompt_frame_is_the_chat_templates_user_turn(tokenizer):
+    assert tokenizer.chat_template  # the bundled model's tokenizer has one: the chat framing is exercised
+    before, after = dfs.prompt_frame(tokenizer, "chat")
+    user = "An undirected graph ..."
+    assert before + user + after == tokenizer.apply_chat_template(
+        [{"role": "user", "content": user}], add_generation_prompt=True, tokenize=False)
+    assert dfs.prompt_frame(tokenizer, "plain") == ("", "\nAnswer:")
+    with pytest.raises(ValueError, match="DFS prompt must be one of chat, plain, got 'json'"):
+        dfs.prompt_frame(tokenizer, "json")
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("prompt", ["chat", "plain"])
+def test_dfs_teacher_forced_feeds_the_framed_question_and_scores_the_answer_in_one_pass(tokenizer, prompt):
+    """What the model is fed (prefix, trace lines, then question and answer on a fork) is, token for token,
+    the framed question followed by the answer; the field scores equal those of one forward over that text."""
+    from transformers import DynamicCache
+
+    model = tiny_model(vocab_size=len(tokenizer))
+    graph = dfs.make_graphs(1, seed=2, min_nodes=6, max_nodes=8, min_steps=5)[0]
+    k = 5
+    fed = []
+    forward = model.forward
+    model.forward = lambda *args, **kwargs: (fed.append(kwargs["input_ids"]), forward(*args, **kwargs))[1]
+    try:
+        [record] = dfs.run_teacher_forced(model, tokenizer, DynamicCache, [graph], [k], max_chunk=16, prompt=prompt)
+    finally:
+        del model.forward
+    sequence = torch.cat(fed, dim=1)[0]
+    state = graph.states[k]
+    trace = "Trace:\nStep 0: start at 0\n" + "".join(dfs.step_line(i, graph.states[i]) for i in range(1, k + 1))
+    user = dfs.graph_text(graph) + trace + dfs.question_text(k)
+    answer = (f"current node {state.node}; stack [{', '.join(map(str, state.stack))}]; "
+              f"visited [{', '.join(map(str, state.visited))}]")
+    if prompt == "chat":
+        expected = tokenizer.apply_chat_template([{"role": "user", "content": user}], add_generation_prompt=True,
+                                                 tokenize=False) + answer
+    else:
+        expected = user + "\nAnswer: " + answer
+    assert tokenizer.decode(sequence) == expected
+    # one forward over the whole text: the answer's fields are judged at the positions that predict them
+    with torch.no_grad():
+        logits = model(input_ids=sequence[None]).logits[0].float()  # [n, V]
+    greedy_right = logits[:-1].argmax(-1) == sequence[1:]
+    answer_text = ("" if prompt == "chat" else " ") + answer
+    answer_ids = tokenizer(answer_text, add_special_tokens=False)["input_ids"]
+    assert sequence[-len(answer_ids):].tolist() == answer_ids  # tokenised as one text: "];" is one token
+    # the stack field's tokens: those whose characters (found by decoding growing prefixes) overlap the list
+    stack_low = answer_text.index(" [")
+    stack_high = answer_text.index("];") + 1
+    ends = [len(tokenizer.decode(answer_ids[: i + 1])) for i in range(len(answer_ids))]
+    starts = [0] + ends[:-1]
+    inside = [i for i in range(len(answer_ids)) if starts[i] < stack_high and ends[i] > stack_low]
+    assert tokenizer.decode(answer_ids[inside[-1]]) == "];"
+    start, end = sequence.numel() - len(answer_ids) + inside[0], sequence.numel() - len(answer_ids) + inside[-1] + 1
+    assert record["stack"] == bool(greedy_right[start - 1:end - 1].all())
+    assert record["stack_tokens"] == pytest.approx(float(greedy_right[start - 1:end - 1].float().mean()), abs=1e-6)
 
 
 def test_dfs_answer_parsing_and_scoring():
@@ -911,6 +972,26 @@ def test_math_and_dtype_settings_are_checked_and_fingerprinted():
     assert base.fingerprint() == older
     assert len({base.fingerprint(), QualityConfig(dtype="bfloat16").fingerprint(), QualityConfig(math_batch=4).fingerprint(),
                 QualityConfig(math_temperature=0.0).fingerprint(), QualityConfig(math_problems=["math500-7"]).fingerprint()}) == 5
+
+
+def test_dfs_prompt_is_checked_and_fingerprinted_only_where_dfs_runs():
+    """Folders without DFS units, written before the prompt choice existed, still resume; DFS folders do not
+    (their units were scored under the plain prompt)."""
+    from trikv.benchmarks.quality.runner import QualityConfig, config_from_preset
+
+    with pytest.raises(ValueError, match="dfs_prompt must be chat or plain, got 'json'"):
+        config_from_preset("quick", dfs_prompt="json")
+    later = ("math_temperature", "math_batch", "dtype", "math_problems")  # left out at their defaults
+
+    def older(config):  # the fingerprint of the same run before the prompt choice existed
+        record = {k: v for k, v in dataclasses.asdict(config).items() if k not in (*later, "dfs_prompt")}
+        return hashlib.sha256(json.dumps({**record, "text_file_sha256": []}, sort_keys=True).encode()).hexdigest()[:16]
+
+    math_only = QualityConfig(tasks=["math"])
+    assert math_only.fingerprint() == older(math_only)
+    with_dfs = QualityConfig(tasks=["dfs"])
+    assert with_dfs.fingerprint() != older(with_dfs)
+    assert with_dfs.fingerprint() != QualityConfig(tasks=["dfs"], dfs_prompt="plain").fingerprint()
 
 
 @pytest.mark.real_model

@@ -49,6 +49,9 @@ def add_quality_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("DFS state query")
     group.add_argument("--dfs-mode", default=None, choices=["teacher-forced", "generative", "both"])
     group.add_argument("--dfs-graphs", type=int, default=None)
+    group.add_argument("--dfs-prompt", default=None, choices=["chat", "plain"],
+                       help="teacher-forced framing: chat (graph, trace and question in a user turn of the model's chat "
+                            "template, the answer in the assistant's; the default) or plain text ending in 'Answer:'")
     group.add_argument("--dfs-ks", type=_ints, default=None, help="steps k to query, e.g. 4,8,16,32")
     group.add_argument("--dfs-nodes", type=_ints, default=None, metavar="MIN,MAX",
                        help="graph sizes drawn from MIN..MAX nodes (default 10,30)")
@@ -90,7 +93,7 @@ def config_from_args(args):
         divide_length=args.divide_length, protect_prompt=args.protect_prompt, seed=args.seed, texts=[] if args.text_file and args.texts is None else args.texts,
         text_files=args.text_file, text_tokens=args.text_tokens,
         recall_stride=args.recall_stride, horizons=args.horizons, dfs_mode=args.dfs_mode, dfs_graphs=args.dfs_graphs,
-        dfs_ks=args.dfs_ks, dfs_min_nodes=_node_range(args.dfs_nodes)[0], dfs_max_nodes=_node_range(args.dfs_nodes)[1], needle_lengths=args.needle_lengths, needle_depths=args.needle_depths,
+        dfs_ks=args.dfs_ks, dfs_prompt=args.dfs_prompt, dfs_min_nodes=_node_range(args.dfs_nodes)[0], dfs_max_nodes=_node_range(args.dfs_nodes)[1], needle_lengths=args.needle_lengths, needle_depths=args.needle_depths,
         math_datasets=args.math_datasets, math_limit=args.limit, math_problems=args.problems, math_samples=args.samples,
         math_max_new_tokens=args.max_new_tokens, math_engine=args.math_engine, math_temperature=args.temperature,
         math_batch=args.math_batch, dtype=args.dtype,

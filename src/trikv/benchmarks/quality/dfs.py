@@ -11,8 +11,13 @@ Teacher-forced mode: the prompt lists the graph and the rules, then the correct 
 step k ("Step 7: visit 12" / "Step 8: back to 5"), then asks for the state. The trace never states the
 stack or the visited list, so answering needs the earlier lines: the current node is in the last line,
 the stack needs the visits of all open ancestors, the visited list needs every visit line. The expected
-answer is scored field by field under teacher forcing: a field is right when every one of its tokens is
-the model's greedy choice given the correct text before it (exactly what greedy decoding would write).
+answer is scored field by field under teacher forcing: a field is right when every token that overlaps it
+is the model's greedy choice given the correct text before it (exactly what greedy decoding would write);
+the answer is tokenised as one text, as the model writes it. With the "chat" prompt (the default where the
+tokenizer has a chat template) graph, trace and question form the user's turn and the answer is the
+assistant's reply: asked in plain text, Qwen2.5-Coder-1.5B-Instruct drifted from the answer's form
+("current node 11 <11, 10, ...>"), failing fields whatever it remembered. The "plain" prompt is the same
+text without turn markers, ending in "Answer:".
 Cost sharing: one pass over the trace per graph; at each queried k the cache is forked and the question
 + answer fed to the fork.
 
@@ -191,20 +196,42 @@ def step_line(index: int, state: DfsState) -> str:
 
 def question_text(k: int) -> str:
     # The answer's form is stated with placeholders: without it a model's greedy choice after "current node" is
-    # punctuation (":"), which fails the field on format alone; with example numbers the model copies them.
+    # punctuation (":"), which fails the field on format alone. Letters, not angle brackets, as placeholders:
+    # models copied "<" into their answer, and example numbers get copied too.
     return (
         f"Question: after step {k}, what is the current node, the stack (from the root) and the list of "
-        f"visited nodes (in the order they were first visited)? Answer on one line as: current node <node>; "
-        f"stack [<nodes>]; visited [<nodes>]\nAnswer:"
+        f"visited nodes (in the order they were first visited)? Reply with one line only, in the form: "
+        f"current node N; stack [A, B, ...]; visited [A, B, ...]"
     )
 
 
-def answer_fields(state: DfsState) -> list[tuple[str, str]]:
-    """(field, text) pieces of the expected answer, in order; the scored fields are node / stack / visited."""
+DFS_PROMPTS = ("chat", "plain")
+
+
+def prompt_frame(tokenizer, prompt: str = "chat") -> tuple[str, str]:
+    """(before, after) the user's text up to where the expected answer starts.
+
+    "chat": the chat template's markers around one user turn, ending where the assistant's reply begins
+    (falls back to "plain" where the tokenizer has no template); "plain": no markers, "\nAnswer:" after.
+    """
+    if prompt not in DFS_PROMPTS:
+        raise ValueError(f"DFS prompt must be one of {', '.join(DFS_PROMPTS)}, got {prompt!r}")
+    if prompt == "chat" and getattr(tokenizer, "chat_template", None):
+        marker = "\x00DFS\x00"
+        framed = tokenizer.apply_chat_template([{"role": "user", "content": marker}], add_generation_prompt=True,
+                                               tokenize=False)
+        before, after = framed.split(marker)
+        return before, after
+    return "", "\nAnswer:"
+
+
+def answer_fields(state: DfsState, lead: str = " ") -> list[tuple[str, str]]:
+    """(field, text) pieces of the expected answer, in order; the scored fields are node / stack / visited.
+    `lead` starts the answer: a space after "Answer:", nothing at the start of the assistant's turn."""
     stack = ", ".join(map(str, state.stack))
     visited = ", ".join(map(str, state.visited))
     return [
-        ("", " current node"),
+        ("", f"{lead}current node"),
         ("node", f" {state.node}"),
         ("", "; stack"),
         ("stack", f" [{stack}]"),
@@ -213,8 +240,29 @@ def answer_fields(state: DfsState) -> list[tuple[str, str]]:
     ]
 
 
-def teacher_forced_prefix(graph: DfsGraph) -> str:
-    return graph_text(graph) + "Trace:\nStep 0: start at 0\n"
+def answer_tokens(tokenizer, state: DfsState, lead: str = " ") -> tuple[list[int], dict[str, tuple[int, int]]]:
+    """The expected answer's token ids and each scored field's [start, end) token span.
+
+    The answer is encoded as one text, so its tokens are the ones greedy decoding writes: a field's closing
+    bracket and the separator after it can be one token ("];"), which a field encoded on its own never
+    produces. A field's span is every token that overlaps its characters.
+    """
+    text, char_spans = "", {}
+    for name, piece in answer_fields(state, lead):
+        if name:
+            char_spans[name] = (len(text), len(text) + len(piece))
+        text += piece
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    offsets = encoded["offset_mapping"]
+    spans = {}
+    for name, (low, high) in char_spans.items():
+        inside = [i for i, (start, end) in enumerate(offsets) if start < high and end > low]
+        spans[name] = (inside[0], inside[-1] + 1)
+    return list(encoded["input_ids"]), spans
+
+
+def teacher_forced_prefix(graph: DfsGraph, before: str = "") -> str:
+    return before + graph_text(graph) + "Trace:\nStep 0: start at 0\n"
 
 
 # ---- teacher-forced scoring ------------------------------------------------------------------------
@@ -238,23 +286,31 @@ def score_fields(logits: torch.Tensor, targets: torch.Tensor, spans: dict[str, t
 @torch.no_grad()
 def run_teacher_forced(model, tokenizer, cache_factory, graphs: list[DfsGraph], ks: list[int], max_chunk: int = 128,
                        bos: bool = False, progress=None, full_records: list[dict] | None = None,
-                       eviction_threshold: int | None = None) -> list[dict]:
+                       eviction_threshold: int | None = None, prompt: str = "chat") -> list[dict]:
     """Teacher-forced state queries: for every graph, fork the cache after step k for each k in `ks`.
+
+    `prompt` ("chat" or "plain") frames graph, trace and question (see `prompt_frame`).
 
     With `full_records` (the full-attention records of the same graphs) and the cache's `eviction_threshold`
     (budget + divide_length), a graph whose whole input fits below the threshold is never compressed: its
     records are the full-attention ones (marked `uncompressed`), and it is not recomputed.
     """
+    before, after = prompt_frame(tokenizer, prompt)
+    lead = "" if before else " "  # the assistant's reply starts its own line; after "Answer:" a space
+
+    def ask(k: int) -> str:
+        return question_text(k) + after
+
     records = []
     for graph_index, graph in enumerate(graphs):
         states = graph.states
-        prefix = _encode(tokenizer, teacher_forced_prefix(graph))
+        prefix = _encode(tokenizer, teacher_forced_prefix(graph, before))
         if bos and tokenizer.bos_token_id is not None and (not prefix or prefix[0] != tokenizer.bos_token_id):
             prefix = [tokenizer.bos_token_id] + prefix
         wanted = sorted(k for k in set(ks) if 1 <= k < len(states))
         if full_records is not None and eviction_threshold is not None and wanted:
             longest = len(prefix) + len(_encode(tokenizer, "".join(step_line(i, states[i]) for i in range(1, wanted[-1] + 1))))
-            longest += max(len(_encode(tokenizer, question_text(k))) + sum(len(_encode(tokenizer, t)) for _, t in answer_fields(states[k]))
+            longest += max(len(_encode(tokenizer, ask(k))) + len(answer_tokens(tokenizer, states[k], lead)[0])
                            for k in wanted)
             if longest < eviction_threshold:
                 records += [dict(r, uncompressed=True) for r in full_records if r["graph"] == graph_index]
@@ -274,13 +330,8 @@ def run_teacher_forced(model, tokenizer, cache_factory, graphs: list[DfsGraph], 
                     progress(len(ids))
             step = k
             fork = feeder.fork()
-            question = _encode(tokenizer, question_text(k))
-            answer, spans = [], {}
-            for name, text in answer_fields(states[k]):
-                ids = _encode(tokenizer, text)
-                if name:
-                    spans[name] = (len(answer), len(answer) + len(ids))
-                answer += ids
+            question = _encode(tokenizer, ask(k))
+            answer, spans = answer_tokens(tokenizer, states[k], lead)
             sequence = torch.tensor([question + answer])
             # logits at positions predicting each answer token: the last question token .. the second-to-last answer token
             logits = fork.feed(sequence, want_logits=slice(len(question) - 1, len(question) + len(answer) - 1))[0]

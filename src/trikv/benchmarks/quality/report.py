@@ -111,6 +111,8 @@ def sections(record: dict, markdown: bool) -> list[tuple[str, str]]:
             if task not in dfs:
                 continue
             table = dfs[task]
+            if task == "dfs-tf":  # runs from before the choice existed used the plain prompt
+                title += f", {record['config'].get('dfs_prompt', 'plain')} prompt"
             headers, rows = _grid(record, table, lambda c: f"{_fmt(c['node'], 2)}/{_fmt(c['stack'], 2)}/{_fmt(c['visited'], 2)}/{_fmt(c['all'], 2)}")
             n_items = next(iter(next(iter(table.values())).values()))["items"]
             out.append((f"DFS state query ({title}, {n_items} queries): node / stack exact / visited exact / all three",
@@ -121,20 +123,19 @@ def sections(record: dict, markdown: bool) -> list[tuple[str, str]]:
                 out.append((f"DFS ({title}): share of answer tokens that are the greedy choice, node / stack / visited",
                             render(headers, rows, markdown)))
             ks = [str(k) for k in record["config"]["dfs_ks"]]
-            metric = "tokens" if token_level else ""
-            for budget in _budgets(record):
-                rows = []
-                for method in _methods(record):
-                    cell = _cell(table, method, budget)
-                    if cell is None:
-                        continue
-                    rows.append([method] + [
-                        f"{_fmt(cell['by_k'][k]['stack' + ('_' + metric if metric else '')], 2)}/"
-                        f"{_fmt(cell['by_k'][k]['visited' + ('_' + metric if metric else '')], 2)}" if k in cell["by_k"] else "–"
-                        for k in ks])
-                what = "greedy token share" if token_level else "exact accuracy"
-                out.append((f"DFS ({title}) stack / visited {what} by step k, budget {budget}",
-                            render(["method"] + [f"k={k}" for k in ks], rows, markdown)))
+            # exact accuracy by k for both modes; teacher-forced runs add the greedy token share by k
+            for metric, what in [("", "exact accuracy")] + ([("_tokens", "greedy token share")] if token_level else []):
+                for budget in _budgets(record):
+                    rows = []
+                    for method in _methods(record):
+                        cell = _cell(table, method, budget)
+                        if cell is None:
+                            continue
+                        rows.append([method] + [
+                            f"{_fmt(cell['by_k'][k]['stack' + metric], 2)}/{_fmt(cell['by_k'][k]['visited' + metric], 2)}"
+                            if k in cell["by_k"] else "–" for k in ks])
+                    out.append((f"DFS ({title}) stack / visited {what} by step k, budget {budget}",
+                                render(["method"] + [f"k={k}" for k in ks], rows, markdown)))
     if "needle" in results:
         table = results["needle"]["methods"]
         meta = results["needle"]["meta"]

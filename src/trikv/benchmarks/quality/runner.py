@@ -51,6 +51,7 @@ class QualityConfig:
     dfs_ks: list[int] = field(default_factory=lambda: [4, 8, 16, 24, 32])
     dfs_min_nodes: int = 10
     dfs_max_nodes: int = 30
+    dfs_prompt: str = "chat"  # teacher-forced framing: chat (a user turn, answered in the assistant's) | plain
     # needle
     needle_lengths: list[int] = field(default_factory=lambda: [768])
     needle_depths: list[float] = field(default_factory=lambda: [0.25, 0.75])
@@ -77,6 +78,8 @@ class QualityConfig:
         for name, default in ADDED_LATER.items():  # at their defaults, runs made before these fields existed resume
             if record[name] == default:
                 del record[name]
+        if "dfs" not in self.tasks:  # runs made before the field existed resume unless they hold DFS units
+            del record["dfs_prompt"]
         if not grid:
             del record["methods"], record["budgets"]
         return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()[:16]
@@ -143,6 +146,8 @@ def validate(config: QualityConfig) -> None:
             raise ValueError(f"{field} given more than once: {', '.join(map(str, dict.fromkeys(repeated)))}")
     if config.dfs_mode not in ("teacher-forced", "generative", "both"):
         raise ValueError("dfs_mode must be teacher-forced, generative or both")
+    if config.dfs_prompt not in ("chat", "plain"):
+        raise ValueError(f"dfs_prompt must be chat or plain, got {config.dfs_prompt!r}")
     if config.math_engine not in ("lean", "transformers"):
         raise ValueError(f"math_engine must be 'lean' or 'transformers', got {config.math_engine!r}")
     if config.math_temperature < 0:
@@ -520,7 +525,7 @@ class QualityRun:
                         records = self._timed(f"{task}/{method}/{budget}", lambda: dfs.run_teacher_forced(
                             self.model, self.tokenizer, lambda: self.make_cache(method, budget), graphs, c.dfs_ks,
                             c.max_chunk, progress=bar.update, full_records=self._full_records(task),
-                            eviction_threshold=self._threshold(budget)))
+                            eviction_threshold=self._threshold(budget), prompt=c.dfs_prompt))
                         bar.close()
                     else:
                         records = self._timed(f"{task}/{method}/{budget}", lambda: dfs.run_generative(
