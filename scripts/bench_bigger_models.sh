@@ -52,9 +52,9 @@ trikv bench quality --task needle --model qwen2.5-coder-0.5b --needle-lengths 81
 trikv bench quality --task needle --model qwen2.5-coder-1.5b --needle-lengths 2048,4096 --needle-depths 0.25,0.75 \
   --methods full,triattention,triattention-dedup,snapkv,h2o,streaming --budgets 256 --dtype bfloat16 --threads 2 --no-progress \
   --out runs/quality/qwen2.5-coder-1.5b-needle
-# teacher-forced DFS, chat prompt, 24 graphs, k up to 16 (~16 min, two threads alone)
+# teacher-forced DFS, chat prompt, 24 graphs, k up to 16 (~30 min, two threads alone)
 trikv bench quality --task dfs --model qwen2.5-coder-1.5b --methods full,triattention,triattention-window,triattention-dedup,snapkv,rkv,h2o,streaming \
-  --budgets 128 --dfs-graphs 24 --dfs-nodes 10,20 --dfs-ks 4,8,12,16 --dtype bfloat16 --threads 2 --no-progress \
+  --budgets 128,256 --dfs-graphs 24 --dfs-nodes 10,20 --dfs-ks 4,8,12,16 --dtype bfloat16 --threads 2 --no-progress \
   --out runs/quality/qwen2.5-coder-1.5b-dfs
 # generative DFS: full attention answers none of the 24 queries on these graphs (~11 min), so no method is compared on them
 trikv bench quality --task dfs --dfs-mode generative --model qwen2.5-coder-1.5b --methods full \
