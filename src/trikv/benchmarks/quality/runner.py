@@ -146,8 +146,10 @@ def validate(config: QualityConfig) -> None:
             raise ValueError(f"{field} given more than once: {', '.join(map(str, dict.fromkeys(repeated)))}")
     if config.dfs_mode not in ("teacher-forced", "generative", "both"):
         raise ValueError("dfs_mode must be teacher-forced, generative or both")
-    if config.dfs_prompt not in ("chat", "plain"):
-        raise ValueError(f"dfs_prompt must be chat or plain, got {config.dfs_prompt!r}")
+    from .dfs import DFS_PROMPTS
+
+    if config.dfs_prompt not in DFS_PROMPTS:
+        raise ValueError(f"dfs_prompt must be {' or '.join(DFS_PROMPTS)}, got {config.dfs_prompt!r}")
     if config.math_engine not in ("lean", "transformers"):
         raise ValueError(f"math_engine must be 'lean' or 'transformers', got {config.math_engine!r}")
     if config.math_temperature < 0:
