@@ -130,7 +130,11 @@ def expected_scores(method, options, cache, stats, geometry, keys, positions, t,
     L, Hkv, N = positions.shape
     live = positions >= 0
     window = getattr(cache.policy, "recent_window", 0)
-    protect = prompt_length + window + cache.min_decode_room <= BUDGET
+    # one rule for every method: the prompt is protected while it leaves min_decode_room slots, and the
+    # method's window then lives in what the prompt leaves
+    protect = prompt_length + cache.min_decode_room <= BUDGET
+    if protect:
+        window = min(window, BUDGET - prompt_length)
     protected = live & (((positions < prompt_length) & protect) | (positions >= t - window))
     candidates = live & ~protected
     if REGISTRY[method].policy_class.__name__ == "TriAttentionWindow":

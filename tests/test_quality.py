@@ -201,7 +201,7 @@ def test_diagnosis_rank_correlation():
     assert _spearman([1.0, 2.0, 3.0, 4.0], [1.0, 3.0, 2.0, 4.0]) == pytest.approx(0.8)
 
 
-def test_diagnosis_names_the_methods_above_the_oracle_at_each_horizon():
+def test_diagnosis_names_the_methods_above_the_future_attention_selection_at_each_horizon():
     from trikv.benchmarks.quality.report import diagnosis
 
     def recall_cell(total, by_horizon):
@@ -223,12 +223,12 @@ def test_diagnosis_names_the_methods_above_the_oracle_at_each_horizon():
             }},
         },
     }
-    lines = [line for line in diagnosis(record) if "above the oracle" in line]
-    assert lines == ["B=64: methods above the oracle at a horizon (the oracle ranks keys by the attention of all later "
-                     "queries, not of one horizon's): 0-128 (oracle 0.960): `snapkv` 0.990, `h2o` 0.970; "
-                     "128+ (oracle 0.800): `triattention` 0.850."]
+    lines = [line for line in diagnosis(record) if "above `future-attention`" in line]
+    assert lines == ["B=64: methods above `future-attention` at a horizon (it ranks keys by the attention of all later "
+                     "queries, not of one horizon's): 0-128 (future-attention 0.960): `snapkv` 0.990, `h2o` 0.970; "
+                     "128+ (future-attention 0.800): `triattention` 0.850."]
     record["results"]["recall"]["methods"]["oracle"]["64"] = recall_cell(0.95, {"0-128": 1.0, "128+": 0.9})
-    assert not [line for line in diagnosis(record) if "above the oracle" in line]
+    assert not [line for line in diagnosis(record) if "above `future-attention`" in line]
 
 
 def test_recall_by_horizon_single_head_value(tiny):
@@ -521,8 +521,16 @@ def test_quick_preset_end_to_end_and_resume(tmp_path, tokenizer):
     page = write_report([out], tmp_path / "results.md")
     text = page.read_text()
     assert "Fidelity" in text and "Attention recall by horizon" in text and ".png" in text
-    assert "| oracle |" in text
-    assert "Diagnosis" in text and "vs oracle" in text and "rank correlation of recall with -KL" in text
+    assert "| future-attention |" in text and "| oracle |" not in text
+    assert "Diagnosis" in text and "vs `future-attention`" in text and "rank correlation of recall with -KL" in text
+    # the headline fidelity counts the compressed positions, with intervals over the texts and paired differences
+    assert "Fidelity where compression acts" in text and "each method minus triattention" in text
+    assert "## Summary: where TriAttention leads, trails and ties" in text
+    cell = fidelity["snapkv"]["40"]
+    assert cell["compressed"]["positions"] < cell["positions"]
+    low, high = cell["ci"]["compressed"]["kl"]
+    assert low <= cell["compressed"]["kl"] <= high
+    assert "ci" in recall["snapkv"]["40"] and "vs_triattention" in recall["snapkv"]["40"]
     with pytest.raises(ValueError):
         other = config_from_preset("quick", text_tokens=300)
         run_quality(other, out, model=model, tokenizer=tokenizer, stats=stats, progress=False, log=lambda *a: None)
@@ -966,7 +974,7 @@ def test_math_and_dtype_settings_are_checked_and_fingerprinted():
             config_from_preset("quick", **{key: value})
     # at their defaults the later settings leave the fingerprint of an older run unchanged; set, they change it
     base = QualityConfig()
-    later = ("math_temperature", "math_batch", "dtype", "math_problems")
+    later = ("math_temperature", "math_batch", "dtype", "math_problems", "traces", "trace_tokens", "min_decode_room")
     record = {k: v for k, v in dataclasses.asdict(base).items() if k not in later}
     older = hashlib.sha256(json.dumps({**record, "text_file_sha256": []}, sort_keys=True).encode()).hexdigest()[:16]
     assert base.fingerprint() == older
@@ -981,7 +989,8 @@ def test_dfs_prompt_is_checked_and_fingerprinted_only_where_dfs_runs():
 
     with pytest.raises(ValueError, match="dfs_prompt must be chat or plain, got 'json'"):
         config_from_preset("quick", dfs_prompt="json")
-    later = ("math_temperature", "math_batch", "dtype", "math_problems")  # left out at their defaults
+    later = ("math_temperature", "math_batch", "dtype", "math_problems", "traces", "trace_tokens",
+             "min_decode_room")  # left out at their defaults
 
     def older(config):  # the fingerprint of the same run before the prompt choice existed
         record = {k: v for k, v in dataclasses.asdict(config).items() if k not in (*later, "dfs_prompt")}

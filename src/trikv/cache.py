@@ -394,21 +394,28 @@ class CompressedCache(Cache):
         """[b] tokens seen by each row, padding excluded (the RoPE position of the next token)."""
         return self.seen - self._pads(self.batch_size, self.device)
 
+    def prompt_protected(self) -> torch.Tensor | None:
+        """[b] bool: rows whose prompt is kept out of the competition (the same rule for every method: prompt +
+        min_decode_room <= budget); None before the first forward or for a cache that never evicts."""
+        if self.budget is None or self.batch_size < 0:
+            return None
+        prompt_real = self.prompt_length - self._pads(self.batch_size, self.device)  # [b]
+        return prompt_fits(prompt_real, self.budget, self.min_decode_room) & (self.protect_prompt and self.prompt_length > 0)
+
     def _protected(self, positions: torch.Tensor) -> torch.Tensor:
         """[L, b, Hkv, N] bool: prompt tokens (while protection holds) and the recent window."""
         t = self.current_positions()  # [b]
-        window = self.policy.recent_window
         prompt_real = self.prompt_length - self._pads(t.shape[0], t.device)  # [b]
         protect_prompt = self.protect_prompt and self.prompt_length > 0
-        if protect_prompt and not self._prompt_dropped_logged:
-            if not bool(prompt_fits(prompt_real, self.budget, window, self.min_decode_room).all()):
-                log.warning(
-                    "prompt of %s tokens leaves fewer than %d of the %d budget slots for generated tokens: "
-                    "the prompt competes for the budget too",
-                    prompt_real.tolist(), self.min_decode_room, self.budget,
-                )
-                self._prompt_dropped_logged = True
-        return protected_entries(positions, t, prompt_real, self.budget, window, self.min_decode_room, protect_prompt)
+        if protect_prompt and not self._prompt_dropped_logged and not bool(self.prompt_protected().all()):
+            log.warning(
+                "prompt of %s tokens leaves fewer than %d of the %d budget slots for generated tokens: "
+                "the prompt competes for the budget too",
+                prompt_real.tolist(), self.min_decode_room, self.budget,
+            )
+            self._prompt_dropped_logged = True
+        return protected_entries(positions, t, prompt_real, self.budget, self.policy.recent_window, self.min_decode_room,
+                                 protect_prompt)
 
     @torch.no_grad()
     def compress(self) -> None:

@@ -1,8 +1,10 @@
 """Which entries a compression round protects and keeps, shared by every cache trikv runs (transformers and vLLM).
 
-Protected entries never compete for the budget: the recent window of the method, and the prompt while it
-leaves at least `min_decode_room` of the budget to generated tokens (past that, the prompt competes too:
-the authors' code drops every generated token instead, which trikv does not copy).
+Protected entries never compete for the budget. One rule for every method: a row's prompt is protected while
+prompt + `min_decode_room` <= budget, whatever the method's recent window (past that, the prompt competes too,
+for every method alike: the authors' code drops every generated token instead, which trikv does not copy).
+The method's recent window is protected too; while the prompt is protected, the window lives in what the prompt
+leaves (at most budget - prompt tokens), so protected entries never exceed the budget.
 """
 
 from __future__ import annotations
@@ -10,9 +12,15 @@ from __future__ import annotations
 import torch
 
 
-def prompt_fits(prompt_lengths: torch.Tensor, budget: int, recent_window: int, min_decode_room: int) -> torch.Tensor:
-    """[b] bool: the prompt (real tokens, padding excluded) plus the recent window leave room for generation."""
-    return prompt_lengths + recent_window + min_decode_room <= budget
+def prompt_fits(prompt_lengths: torch.Tensor, budget: int, min_decode_room: int) -> torch.Tensor:
+    """[b] bool: the prompt (real tokens, padding excluded) leaves at least `min_decode_room` slots of the budget."""
+    return prompt_lengths + min_decode_room <= budget
+
+
+def protected_windows(prompt_lengths: torch.Tensor, prompt_kept: torch.Tensor, budget: int, recent_window: int) -> torch.Tensor:
+    """[b] long: the recent tokens each row protects: the method's window, within what a protected prompt leaves."""
+    window = torch.full_like(prompt_lengths, recent_window)
+    return torch.where(prompt_kept, torch.minimum(window, budget - prompt_lengths), window)
 
 
 def protected_entries(
@@ -26,13 +34,12 @@ def protected_entries(
 ) -> torch.Tensor:
     """[L, b, Hkv, N] bool: entries kept whatever their score (dead slots may be marked; callers mask them)."""
     protected = torch.zeros_like(positions, dtype=torch.bool)
+    prompt_kept = prompt_fits(prompt_lengths, budget, min_decode_room) & protect_prompt  # [b]
     if recent_window > 0:
-        protected |= positions >= (current_position - recent_window)[None, :, None, None]
-    if protect_prompt:
-        keep_prompt = prompt_fits(prompt_lengths, budget, recent_window, min_decode_room)  # [b]
-        in_prompt = (positions >= 0) & (positions < prompt_lengths[None, :, None, None])
-        protected |= in_prompt & keep_prompt[None, :, None, None]
-    return protected
+        window = protected_windows(prompt_lengths, prompt_kept, budget, recent_window)  # [b]
+        protected |= positions >= (current_position - window)[None, :, None, None]
+    in_prompt = (positions >= 0) & (positions < prompt_lengths[None, :, None, None])
+    return protected | (in_prompt & prompt_kept[None, :, None, None])
 
 
 def top_entries(scores: torch.Tensor, budget: int, counts: torch.Tensor | None = None) -> torch.Tensor:

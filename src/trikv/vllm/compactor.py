@@ -126,7 +126,7 @@ class Compactor:
         t = torch.tensor([op.position for op in rounds], device=device)
         prompt = torch.tensor([op.prompt_length for op in rounds], device=device)
         window = self.policy.recent_window
-        if self.protect_prompt and not self._warned_prompt and not bool(prompt_fits(prompt, budget, window, self.min_decode_room).all()):
+        if self.protect_prompt and not self._warned_prompt and not bool(prompt_fits(prompt, budget, self.min_decode_room).all()):
             log.warning("a prompt leaves fewer than %d of the %d budget slots for generated tokens: it competes for the budget too",
                         self.min_decode_room, budget)
             self._warned_prompt = True

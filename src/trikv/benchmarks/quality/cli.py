@@ -44,6 +44,10 @@ def add_quality_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--text-file", action="append", default=None, metavar="FILE",
                        help="your own UTF-8 text (repeatable); alone it replaces the shipped texts, with --texts it adds to them")
     group.add_argument("--text-tokens", type=int, default=None, help="tokens per text")
+    group.add_argument("--traces", default=None, choices=["evaluation", "design"],
+                       help="the model's own reasoning traces (shipped per bundled model), each behind its chat prompt; "
+                            "alone they replace the shipped texts")
+    group.add_argument("--trace-tokens", type=int, default=None, help="tokens of each trace after its prompt (default 2048)")
     group.add_argument("--recall-stride", type=int, default=None, help="measure recall on every n-th query")
     group.add_argument("--horizons", type=_ints, default=None, help="horizon bucket edges, e.g. 128,1024,4096")
     group = parser.add_argument_group("DFS state query")
@@ -91,7 +95,7 @@ def config_from_args(args):
     return config_from_preset(
         args.preset, tasks=tasks, model=args.model, stats=args.stats, methods=args.methods, budgets=args.budgets,
         divide_length=args.divide_length, protect_prompt=args.protect_prompt, seed=args.seed, texts=[] if args.text_file and args.texts is None else args.texts,
-        text_files=args.text_file, text_tokens=args.text_tokens,
+        text_files=args.text_file, text_tokens=args.text_tokens, traces=args.traces, trace_tokens=args.trace_tokens,
         recall_stride=args.recall_stride, horizons=args.horizons, dfs_mode=args.dfs_mode, dfs_graphs=args.dfs_graphs,
         dfs_ks=args.dfs_ks, dfs_prompt=args.dfs_prompt, dfs_min_nodes=_node_range(args.dfs_nodes)[0], dfs_max_nodes=_node_range(args.dfs_nodes)[1], needle_lengths=args.needle_lengths, needle_depths=args.needle_depths,
         math_datasets=args.math_datasets, math_limit=args.limit, math_problems=args.problems, math_samples=args.samples,
@@ -137,13 +141,17 @@ def add_report_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("folders", nargs="+", metavar="DIR", help="result folders of `trikv bench quality`")
     parser.add_argument("--out", default="docs/results.md", help="Markdown file to write (default docs/results.md)")
     parser.add_argument("--title", default="trikv quality benchmarks")
+    parser.add_argument("--preregistration", default=None, metavar="JSON",
+                        help="a pre-registered test (candidate, baseline, budget, dataset, run, hypothesis): rendered with "
+                             "its outcome computed from the named run")
+    parser.add_argument("--earlier", default=None, metavar="PAGE", help="a page of earlier runs to link from the header")
     parser.set_defaults(func=report_main)
 
 
 def report_main(args) -> int:
     from .report import write_report
 
-    path = write_report(args.folders, args.out, args.title)
+    path = write_report(args.folders, args.out, args.title, preregistration=args.preregistration, earlier=args.earlier)
     print(f"wrote {path}")
     return 0
 

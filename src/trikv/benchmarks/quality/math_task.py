@@ -118,17 +118,30 @@ def run_math(model, tokenizer, method: str, budget: int | None, method_options: 
             budget=budget, max_new_tokens=max_new_tokens, seed=seed + first_index + first, chat=chat, divide_length=divide_length,
             engine=engine, **sampling, **method_options,
         )
+        protected = prompt_protection(result.cache)
         for row, text in enumerate(result.texts):
             problem, sample = group[row // samples], row % samples
             predicted = extract_answer(text)
             records.append({
                 "id": problem["id"], "sample": sample, "answer": problem["answer"], "predicted": predicted,
                 "correct": math_equal(predicted, problem["answer"], timeout=timeout), "tokens": len(result.tokens[row]),
-                "max_new_tokens": max_new_tokens,
+                "max_new_tokens": max_new_tokens, "prompt_protected": None if protected is None else protected[row],
             })
         if progress is not None:
             progress(len(group))
     return records
+
+
+def prompt_protection(cache) -> list[bool] | None:
+    """Per row: was the prompt kept out of the competition (None: the method never evicts)."""
+    protected = cache.prompt_protected() if hasattr(cache, "prompt_protected") else None
+    return None if protected is None else [bool(x) for x in protected.tolist()]
+
+
+def protected_share(records: list[dict]) -> float | None:
+    """Share of answers whose prompt was protected (None when no record says: full attention, older runs)."""
+    flags = [r["prompt_protected"] for r in records if r.get("prompt_protected") is not None]
+    return sum(flags) / len(flags) if flags else None
 
 
 def summarise(records: list[dict]) -> dict:
@@ -147,4 +160,5 @@ def summarise(records: list[dict]) -> dict:
         "samples": len(records),
         "mean_tokens": sum(r["tokens"] for r in records) / len(records) if records else 0.0,
         "answers_by_cap": dict(sorted(caps.items(), key=lambda item: int(item[0]))),
+        "prompt_protected": protected_share(records),
     }

@@ -65,45 +65,177 @@ def _grid(record, table, getter, methods=None) -> tuple[list[str], list[list]]:
     return ["method \\ budget"] + budgets, rows
 
 
+# the recall row of the selection that keeps, at each of triattention's rounds, the keys the later queries attend
+ORACLE_LABEL = "future-attention"
+ORACLE_NOTE = (f"`{ORACLE_LABEL}`: at each of triattention's rounds, keeps the B held keys that all later queries attend "
+               "most (in-sample, triattention's schedule; not an upper bound at every horizon)")
+
+
+def _interval(value, interval, digits: int) -> str:
+    """`value [low, high]`, or the value alone where no interval was computed."""
+    if value is None:
+        return "–"
+    if not interval or any(v is None or (isinstance(v, float) and math.isnan(v)) for v in interval):
+        return _fmt(value, digits)
+    return f"{_fmt(value, digits)} [{_fmt(interval[0], digits)}, {_fmt(interval[1], digits)}]"
+
+
+def _difference(comparison: dict | None, digits: int, scale: float = 1.0) -> str:
+    """`+d [+low, +high]` of a paired difference, or – ."""
+    if not comparison:
+        return "–"
+    low, high = comparison["ci"]
+    if math.isnan(low):
+        return f"{scale * comparison['difference']:+.{digits}f}"
+    return f"{scale * comparison['difference']:+.{digits}f} [{scale * low:+.{digits}f}, {scale * high:+.{digits}f}]"
+
+
+def _text_note(record: dict) -> str:
+    meta = record["results"]["fidelity"]["meta"]
+    names = meta["texts"]
+    if meta.get("traces"):
+        lengths = meta.get("prompt_lengths") or []
+        prompts = f", prompts {min(lengths)}-{max(lengths)} tokens" if lengths else ""
+        return (f"{len(names)} {meta['traces']} reasoning traces of the model x {meta['trace_tokens']} tokens after each "
+                f"one's own chat prompt{prompts}")
+    protected = "" if record["config"].get("protect_prompt", True) else " (not protected)"
+    return (f"{len(names)} texts x {meta['tokens_per_text']} tokens ({', '.join(names)}), prompt {meta['prompt_tokens']} "
+            f"tokens{protected}")
+
+
+FIDELITY_FIGURES = (("top-1 agreement with full attention", "top1_agreement", 3),
+                    ("mean KL(full || method), nats", "kl", 4),
+                    ("perplexity ratio (method / full attention) of the true next token", "perplexity_ratio", 3))
+
+
+def _fidelity_sections(record: dict, markdown: bool) -> list[tuple[str, str]]:
+    table = record["results"]["fidelity"]["methods"]
+    note = _text_note(record)
+    out = []
+    cells = [c for values in table.values() for c in values.values() if c]
+    if not all("compressed" in c for c in cells):  # runs from before the compressed-position figures
+        for title, key, digits in (("top-1 agreement with full attention", "top1_agreement", 3),
+                                   ("mean KL(full || method), nats", "kl", 4), ("perplexity of the true next token", "perplexity", 2)):
+            headers, rows = _grid(record, table, lambda c, k=key: c[k])
+            out.append((f"Fidelity: {title} ({note}; every position, also those before the first round)",
+                        render(headers, rows, markdown)))
+        return out
+    for title, key, digits in FIDELITY_FIGURES:
+        headers, rows = _grid(record, table, lambda c, k=key, d=digits: _interval(
+            c["compressed"].get(k), c.get("ci", {}).get("compressed", {}).get(k), d))
+        out.append((f"Fidelity where compression acts: {title} [95% bootstrap interval over texts] ({note}; only the "
+                    "positions after each text's first compression round)", render(headers, rows, markdown)))
+    share = _compressed_share(record, table)
+    if share:
+        out.append(("Fidelity: share of the scored positions that come after the first compression round",
+                    render(["budget", "compressed positions / all"], share, markdown)))
+    for title, key, digits in FIDELITY_FIGURES[:2]:
+        headers, rows = _grid(record, table, lambda c, k=key, d=digits: _difference(
+            c.get("vs_triattention", {}).get("compressed", {}).get(k), d),
+            [m for m in _methods(record) if m not in ("full", "triattention")])
+        if any(cell != "–" for row in rows for cell in row[1:]):
+            better = "higher" if key == "top1_agreement" else "lower"
+            out.append((f"Fidelity where compression acts: {title}, each method minus triattention, paired over texts "
+                        f"[95% interval] ({better} is better for the method)", render(headers, rows, markdown)))
+    headers, rows = _grid(record, table, lambda c: f"{_fmt(c['top1_agreement'])} / {_fmt(c['kl'], 4)} / "
+                                                   f"{_fmt(c.get('perplexity_ratio', c['perplexity'] / c['perplexity_full']))}")
+    out.append((f"Fidelity over every position (also those before the first round, where every method equals full "
+                f"attention): top-1 / KL / perplexity ratio ({note})", render(headers, rows, markdown)))
+    return out
+
+
+def _compressed_share(record: dict, table: dict) -> list[list]:
+    rows = []
+    for budget in _budgets(record):
+        cell = next((_cell(table, m, budget) for m in _methods(record) if m != "full" and _cell(table, m, budget)), None)
+        if cell and cell.get("positions"):
+            rows.append([budget, f"{cell['compressed']['positions']} / {cell['positions']} "
+                                 f"({100 * cell['compressed']['positions'] / cell['positions']:.0f}%)"])
+    return rows
+
+
+def _recall_sections(record: dict, markdown: bool) -> list[tuple[str, str]]:
+    table = record["results"]["recall"]["methods"]
+    out = []
+    methods = _methods(record) + (["oracle"] if "oracle" in table else [])
+    label_of = lambda m: ORACLE_LABEL if m == "oracle" else m
+    headers, rows = _grid(record, table, lambda c: _interval(c["recall"], c.get("ci", {}).get("recall"), 3)
+                          + f" (min head {_fmt(c['recall_min_head'])})", methods)
+    for row in rows:
+        row[0] = label_of(row[0])
+    out.append(("Attention recall: share of full attention's mass on the keys a method holds, mean over (layer, head) "
+                "[95% bootstrap interval over texts] (minimum head); " + ORACLE_NOTE, render(headers, rows, markdown)))
+    labels = _horizon_labels(record)
+    for budget in _budgets(record):
+        rows = []
+        for method in methods:
+            cell = _cell(table, method, budget)
+            if method == "full" or cell is None:
+                continue
+            rows.append([label_of(method)] + [_interval(cell["by_horizon"].get(h, {}).get("recall"),
+                                                        cell.get("ci", {}).get("by_horizon", {}).get(h), 3) for h in labels])
+        mass = _horizon_mass(table, budget, labels)
+        rows.append(["(share of mass)"] + [_fmt(m) for m in mass])
+        out.append((f"Attention recall by horizon (tokens since the key was first judged), budget {budget} "
+                    "[95% bootstrap interval over texts]", render(["method"] + labels, rows, markdown)))
+        paired_rows = []
+        for method in _methods(record):
+            cell = _cell(table, method, budget)
+            if method in ("full", "triattention") or cell is None or "vs_triattention" not in cell:
+                continue
+            comparison = cell["vs_triattention"]
+            paired_rows.append([method, _difference(comparison["recall"], 3)]
+                               + [_difference(comparison["by_horizon"].get(h), 3) for h in labels])
+        if paired_rows:
+            out.append((f"Attention recall, each method minus triattention, paired over texts [95% interval], budget "
+                        f"{budget} (higher is better for the method)", render(["method", "all"] + labels, paired_rows, markdown)))
+    kinds = [k for k in ("prompt", "repeated", "other")
+             if any(k in (c or {}).get("by_kind", {}) for v in table.values() for c in v.values())]
+    if kinds:
+        for budget in _budgets(record):
+            rows = []
+            for method in methods:
+                cell = _cell(table, method, budget)
+                if method == "full" or cell is None or not cell.get("by_kind"):
+                    continue
+                rows.append([label_of(method)] + [_fmt(cell["by_kind"].get(k, {}).get("recall")) for k in kinds])
+            shares = next((c["by_kind"] for m in methods if m != "full" for c in [_cell(table, m, budget)] if c and c.get("by_kind")), {})
+            rows.append(["(share of mass)"] + [_fmt(shares.get(k, {}).get("mass_share")) for k in kinds])
+            out.append((f"Attention recall by key kind, budget {budget} (keys already judged by a round; prompt, repeated "
+                        "= part of an 8-token run the text already holds, other)", render(["method"] + kinds, rows, markdown)))
+    return out
+
+
+def _composition_sections(record: dict, markdown: bool) -> list[tuple[str, str]]:
+    from .fidelity import COMPOSITION
+
+    table = record["results"]["fidelity"]["methods"]
+    out = []
+    for budget in _budgets(record):
+        rows = []
+        for method in _methods(record):
+            cell = _cell(table, method, budget)
+            if method != "full" and cell and cell.get("kept_composition"):
+                rows.append([method] + [_fmt(cell["kept_composition"][name]) for name in COMPOSITION])
+        if rows:
+            out.append((f"What each method holds right after a round, budget {budget} (share of the held entries, all "
+                        "rounds, layers and KV heads): prompt, repeated text, else by age", render(["method", *COMPOSITION], rows, markdown)))
+    return out
+
+
 # ---- sections --------------------------------------------------------------------------------------------
 def sections(record: dict, markdown: bool) -> list[tuple[str, str]]:
     """[(title, table text)] for every task in a run."""
     results = record["results"]
     out = []
     if "fidelity" in results:
-        table = results["fidelity"]["methods"]
-        meta = results["fidelity"]["meta"]
-        note = f"{len(meta['texts'])} texts x {meta['tokens_per_text']} tokens ({', '.join(meta['texts'])}), prompt {meta['prompt_tokens']} tokens" + (
-            "" if record["config"].get("protect_prompt", True) else " (not protected)")
-        for title, key, digits in (("top-1 agreement with full attention", "top1_agreement", 3),
-                                   ("mean KL(full || method), nats", "kl", 4), ("perplexity of the true next token", "perplexity", 2)):
-            headers, rows = _grid(record, table, lambda c, k=key: c[k])
-            out.append((f"Fidelity: {title} ({note})", render(headers, rows, markdown)))
+        out += _fidelity_sections(record, markdown) + _composition_sections(record, markdown)
     if "recall" in results:
-        table = results["recall"]["methods"]
-        # the oracle: the top-B keys by the attention they receive later, on triattention's schedule
-        methods = _methods(record) + (["oracle"] if "oracle" in table else [])
-        headers, rows = _grid(record, table, lambda c: f"{_fmt(c['recall'])} ({_fmt(c['recall_min_head'])})", methods)
-        out.append(("Attention recall: mean over (layer, head) (minimum head in brackets); oracle = the top-B keys "
-                    "by the attention they receive later", render(headers, rows, markdown)))
-        labels = _horizon_labels(record)
-        for budget in _budgets(record):
-            rows = []
-            for method in methods:
-                if method == "full":
-                    continue
-                cell = _cell(table, method, budget)
-                if cell is None:
-                    continue
-                rows.append([method] + [_fmt(cell["by_horizon"].get(h, {}).get("recall")) for h in labels])
-            mass = _horizon_mass(table, budget, labels)
-            rows.append(["(share of mass)"] + [_fmt(m) for m in mass])
-            out.append((f"Attention recall by horizon (tokens since the key was first judged), budget {budget}",
-                        render(["method"] + labels, rows, markdown)))
+        out += _recall_sections(record, markdown)
     if "fidelity" in results and "recall" in results:
         findings = diagnosis(record)
         if findings:
-            out.append(("Diagnosis: why attention recall and fidelity can disagree (computed from the tables above)",
+            out.append(("Diagnosis: what the recall and fidelity tables above show (each line computed from them)",
                         "\n".join(f"- {line}" for line in findings)))
     if "dfs" in results:
         dfs = results["dfs"]
@@ -154,7 +286,8 @@ def sections(record: dict, markdown: bool) -> list[tuple[str, str]]:
         math_results = results["math"]
         for dataset in math_results["meta"]["datasets"]:
             table = math_results.get(dataset, {})
-            headers, rows = _grid(record, table, lambda c: f"{_fmt(c['pass@1'])} ({c['mean_tokens']:.0f} tok)")
+            headers, rows = _grid(record, table, lambda c: f"{_interval(c['pass@1'], c.get('ci', {}).get('pass@1'), 3)} "
+                                                           f"({c['mean_tokens']:.0f} tok)")
             n = next(iter(next(iter(table.values())).values()))["problems"] if table else 0
             excluded = math_results["meta"].get("excluded_rows", {}).get(dataset) or []
             held_out = (f", rows {excluded[0]}-{excluded[-1]} excluded: the shipped statistics were calibrated on them"
@@ -165,9 +298,15 @@ def sections(record: dict, markdown: bool) -> list[tuple[str, str]]:
             batching = (f", {meta['problems_per_batch']} problems per batch" if meta.get("problems_per_batch", 1) > 1 else "")
             chosen = [i for i in meta.get("problems") or [] if i.rpartition("-")[0] == dataset]
             selection = f" chosen by id: {', '.join(chosen)};" if chosen else ""
-            out.append((f"Math {dataset}: pass@1 ({n} problems,{selection} {meta['samples']} samples, {decoding}, "
-                        f"{meta['max_new_tokens']} new tokens, {meta.get('engine', 'transformers')} engine, "
-                        f"{meta.get('dtype', 'float32')}{batching}{held_out})", render(headers, rows, markdown)))
+            out.append((f"Math {dataset}: pass@1 [95% bootstrap interval over problems] ({n} problems,{selection} "
+                        f"{meta['samples']} samples, {decoding}, {meta['max_new_tokens']} new tokens, "
+                        f"{meta.get('engine', 'transformers')} engine, {meta.get('dtype', 'float32')}{batching}{held_out})",
+                        render(headers, rows, markdown)))
+            protection = _grid(record, table, lambda c: _fmt(c.get("prompt_protected"), 2),
+                               [m for m in _methods(record) if m != "full"])
+            if any(cell not in ("–", None) for row in protection[1] for cell in row[1:]):
+                out.append((f"Math {dataset}: share of answers whose prompt was protected (one rule for every method: "
+                            f"prompt + {meta.get('min_decode_room', 32)} slots <= budget)", render(*protection, markdown)))
             caps = {cap for methods in table.values() for cell in methods.values() for cap in cell.get("answers_by_cap", {})}
             if len(caps) > 1:
                 headers, rows = _grid(record, table, lambda c: ", ".join(
@@ -181,7 +320,7 @@ def sections(record: dict, markdown: bool) -> list[tuple[str, str]]:
                 out.append((f"Math {dataset}: each method against full attention on the same problems (points; +/-: "
                             "problems it solves that full does not / full solves that it does not; p: two-sided exact "
                             "sign test on the problems where they differ)",
-                            render(["budget", "method", "pass@1", "vs full", "+/- vs full", "p", "triattention minus it"],
+                            render(["budget", "method", "pass@1", "vs full", "+/- vs full", "p", "it minus triattention [95% interval]"],
                                    paired, markdown)))
             against = _math_variants_against_baselines(record, table)
             if against:
@@ -225,7 +364,9 @@ def _math_paired(record: dict, table: dict) -> list[list]:
             if method == "full" or cell is None or "by_problem" not in cell:
                 continue
             gained, lost, better, worse = _paired(cell, full)
-            lead = "" if tri is None or method == "triattention" else f"{100 * (tri['pass@1'] - cell['pass@1']):+.1f}"
+            lead = ("" if tri is None or method == "triattention" else
+                    _difference(cell.get("vs_triattention", {}).get("pass@1"), 1, scale=100)
+                    if "vs_triattention" in cell else f"{100 * (cell['pass@1'] - tri['pass@1']):+.1f}")
             rows.append([budget, method, cell["pass@1"], f"{100 * (cell['pass@1'] - full['pass@1']):+.1f}",
                          f"+{gained:g} / -{lost:g}", f"{sign_test(better, worse):.2f}", lead])
     return rows
@@ -268,20 +409,31 @@ def _spearman(a: list[float], b: list[float]) -> float:
     return cov / var if var else float("nan")
 
 
+def _kl(cell: dict) -> float:
+    """KL where compression acts (runs from before that figure: over every position)."""
+    return cell["compressed"]["kl"] if "compressed" in cell else cell["kl"]
+
+
+def _top1(cell: dict) -> float:
+    return cell["compressed"]["top1_agreement"] if "compressed" in cell else cell["top1_agreement"]
+
+
 def diagnosis(record: dict, method: str = "triattention") -> list[str]:
     """Findings, each computed from the run's own figures: does ranking by recall rank methods as KL does, where
-    (by horizon and layer) `method` loses the attention mass the oracle keeps, and what a protected recent
-    window and the window-attention term change. Lines only for what the run measured."""
+    (by horizon and layer) `method` loses the attention mass the future-attention selection keeps, and what a
+    protected recent window and the window-attention term change. Lines only for what the run measured; no
+    sentence is printed that the figures do not compute."""
     fidelity, recall = record["results"]["fidelity"]["methods"], record["results"]["recall"]["methods"]
     labels = _horizon_labels(record)
+    selection = f"`{ORACLE_LABEL}`"
     lines = []
     for budget in _budgets(record):
         rows = [(m, _cell(fidelity, m, budget), _cell(recall, m, budget)) for m in _methods(record) if m != "full"]
         rows = [(m, f, r) for m, f, r in rows if f and r]
         if len(rows) >= 3:
-            rho = _spearman([r["recall"] for _, _, r in rows], [-f["kl"] for _, f, _ in rows])
+            rho = _spearman([r["recall"] for _, _, r in rows], [-_kl(f) for _, f, _ in rows])
             best_recall = max(rows, key=lambda row: row[2]["recall"])[0]
-            best_kl = min(rows, key=lambda row: row[1]["kl"])[0]
+            best_kl = min(rows, key=lambda row: _kl(row[1]))[0]
             lines.append(f"B={budget}: rank correlation of recall with -KL over {len(rows)} methods {rho:+.2f}; "
                          f"highest recall `{best_recall}`, lowest KL `{best_kl}`.")
         own, oracle = _cell(recall, method, budget), _cell(recall, "oracle", budget)
@@ -294,9 +446,9 @@ def diagnosis(record: dict, method: str = "triattention") -> list[str]:
             total = sum(missing.values())
             if total > 0:
                 worst = max(missing, key=missing.get)
-                lines.append(f"B={budget}: `{method}` recall {own['recall']:.3f} vs oracle {oracle['recall']:.3f}; "
-                             f"{100 * missing[worst] / total:.0f}% of the mass it misses (vs the oracle, weighted by each "
-                             f"horizon's share of attention) is at horizon {worst}: "
+                lines.append(f"B={budget}: `{method}` recall {own['recall']:.3f} vs {selection} {oracle['recall']:.3f}; "
+                             f"{100 * missing[worst] / total:.0f}% of the mass it misses against that selection (weighted "
+                             f"by each horizon's share of attention) is at horizon {worst}: "
                              + ", ".join(f"{label} {100 * value / total:.0f}%" for label, value in missing.items()) + ".")
         if oracle and oracle.get("by_horizon"):
             above = []
@@ -309,25 +461,38 @@ def diagnosis(record: dict, method: str = "triattention") -> list[str]:
                 leaders = [(m, value) for m, value in recalls if round(value, 3) > round(best["recall"], 3)]
                 if leaders:
                     leaders.sort(key=lambda item: -item[1])
-                    above.append(f"{label} (oracle {best['recall']:.3f}): "
+                    above.append(f"{label} ({ORACLE_LABEL} {best['recall']:.3f}): "
                                  + ", ".join(f"`{m}` {value:.3f}" for m, value in leaders))
             if above:
-                # A per-horizon lead over the oracle is a trade between horizons, not a better ranking overall.
-                lines.append(f"B={budget}: methods above the oracle at a horizon (the oracle ranks keys by the attention of "
-                             "all later queries, not of one horizon's): " + "; ".join(above) + ".")
+                lines.append(f"B={budget}: methods above {selection} at a horizon (it ranks keys by the attention of all "
+                             "later queries, not of one horizon's): " + "; ".join(above) + ".")
         if own and oracle and own.get("recall_per_layer") and oracle.get("recall_per_layer"):
             gaps = [b - a for a, b in zip(own["recall_per_layer"], oracle["recall_per_layer"])]
             worst_layer = max(range(len(gaps)), key=gaps.__getitem__)
             lowest = min(range(len(gaps)), key=lambda i: oracle["recall_per_layer"][i])
-            lines.append(f"B={budget}: largest gap to the oracle at layer {worst_layer} ({own['recall_per_layer'][worst_layer]:.3f} "
-                         f"vs {oracle['recall_per_layer'][worst_layer]:.3f}); the oracle's own lowest layer is {lowest} "
-                         f"({oracle['recall_per_layer'][lowest]:.3f}): there the budget, not the ranking, limits recall.")
-        for variant, base, what in ((f"{method}-recent", method, "protecting the 32 most recent tokens"),
+            lines.append(f"B={budget}: `{method}`'s largest gap to {selection} is at layer {worst_layer} "
+                         f"({own['recall_per_layer'][worst_layer]:.3f} vs {oracle['recall_per_layer'][worst_layer]:.3f}); "
+                         f"{selection}'s own lowest layer is {lowest} ({oracle['recall_per_layer'][lowest]:.3f}).")
+        concentration = record["results"]["recall"].get("meta", {}).get("concentration_per_layer")
+        if own and own.get("recall_per_layer") and concentration and len(concentration) == len(own["recall_per_layer"]):
+            for other, _, other_recall in rows:
+                if other == method or other_recall["recall"] <= own["recall"] or not other_recall.get("recall_per_layer"):
+                    continue
+                gap = [a - b for a, b in zip(other_recall["recall_per_layer"], own["recall_per_layer"])]
+                rho = _spearman(gap, concentration)
+                if math.isnan(rho):
+                    continue
+                reading = (f"the lead is larger where concentration is {'lower' if rho < 0 else 'higher'}"
+                           if abs(rho) >= 0.3 else "no clear relation (|rank correlation| < 0.3)")
+                lines.append(f"B={budget}: `{other}` recalls more than `{method}` ({other_recall['recall']:.3f} vs "
+                             f"{own['recall']:.3f}); across {len(gap)} layers its lead against the layer's query "
+                             f"concentration (mean R of the statistics): rank correlation {rho:+.2f}, {reading}.")
+        for variant, base, what in ((f"{method}-recent", method, "protecting the most recent tokens"),
                                     (f"{method}-window", f"{method}-recent", "adding the window-attention term")):
             a, b = _cell(fidelity, base, budget), _cell(fidelity, variant, budget)
             if a and b:
-                lines.append(f"B={budget}: {what} (`{base}` -> `{variant}`): KL {a['kl']:.4f} -> {b['kl']:.4f}, "
-                             f"top-1 {a['top1_agreement']:.3f} -> {b['top1_agreement']:.3f}.")
+                lines.append(f"B={budget}: {what} (`{base}` -> `{variant}`): KL {_kl(a):.4f} -> {_kl(b):.4f}, "
+                             f"top-1 {_top1(a):.3f} -> {_top1(b):.3f}.")
     return lines
 
 
@@ -556,25 +721,108 @@ def _time_line(record: dict) -> str:
             "it reused units that earlier invocations computed)")
 
 
-def write_report(folders: list[str | Path], out: str | Path, title: str = "trikv quality benchmarks") -> Path:
-    """Render every run folder into one Markdown page (tables + plots copied beside it)."""
+def _verdict(comparison: dict | None, higher_is_better: bool) -> str | None:
+    """'leads' / 'trails' / 'ties' for TriAttention against a method, from the interval of (method - triattention):
+    TriAttention leads when the whole interval favours it, trails when the whole interval favours the method."""
+    if not comparison:
+        return None
+    low, high = comparison["ci"]
+    if math.isnan(low) or math.isnan(high):
+        return None
+    method_better = low > 0 if higher_is_better else high < 0
+    method_worse = high < 0 if higher_is_better else low > 0
+    return "trails" if method_better else "leads" if method_worse else "ties"
+
+
+def summary_lines(named_records: list[tuple[str, dict]]) -> list[str]:
+    """The page's opening summary, computed from the paired intervals of every run: per run, budget and figure,
+    the methods TriAttention leads (the whole 95% interval of the difference favours it), trails and ties."""
+    lines = []
+    figures = (("fidelity", "KL where compression acts", lambda c: c.get("vs_triattention", {}).get("compressed", {}).get("kl"), False, 4, 1.0),
+               ("recall", "attention recall", lambda c: (c.get("vs_triattention") or {}).get("recall"), True, 3, 1.0),
+               ("math", "pass@1", lambda c: (c.get("vs_triattention") or {}).get("pass@1"), True, 1, 100.0))
+    for name, record in named_records:
+        results = record["results"]
+        for task, what, get, higher, digits, scale in figures:
+            if task not in results:
+                continue
+            tables = ([(None, results[task]["methods"])] if task != "math" else
+                      [(dataset, results["math"][dataset]) for dataset in results["math"]["meta"]["datasets"] if dataset in results["math"]])
+            for dataset, table in tables:
+                for budget in _budgets(record):
+                    groups: dict[str, list[str]] = {"leads": [], "trails": [], "ties": []}
+                    for method in _methods(record):
+                        cell = _cell(table, method, budget)
+                        comparison = get(cell) if cell else None
+                        verdict = _verdict(comparison, higher)
+                        if verdict:
+                            groups[verdict].append(f"`{method}` {_difference(comparison, digits, scale)}")
+                    if not any(groups.values()):
+                        continue
+                    where = f"{dataset} " if dataset else ""
+                    parts = [f"{verdict} {', '.join(items)}" for verdict, items in groups.items() if items]
+                    lines.append(f"`{name}` ({record['model']['name']}), B={budget}, {where}{what} (method minus "
+                                 f"triattention [95% interval]): TriAttention " + "; ".join(parts) + ".")
+    return lines
+
+
+def preregistration_lines(preregistration: dict, named_records: list[tuple[str, dict]]) -> list[str]:
+    """The pre-registered test as registered, and its outcome computed from the named run (or 'not run yet')."""
+    candidate, baseline = preregistration["candidate"], preregistration["baseline"]
+    budget, dataset = str(preregistration["budget"]), preregistration["dataset"]
+    lines = [f"Registered {preregistration['registered']} (commit before the run): {preregistration['hypothesis']}",
+             f"Candidate: `{candidate}`. Why this one: {preregistration['rationale']}",
+             f"Run: `{preregistration['run']}`: `{preregistration['command']}`"]
+    record = dict(named_records).get(preregistration["run"])
+    table = (record or {}).get("results", {}).get("math", {}).get(dataset, {})
+    cell, other = _cell(table, candidate, budget), _cell(table, baseline, budget)
+    if not cell or not other or "by_problem" not in cell or "by_problem" not in other:
+        lines.append("Outcome: not run yet.")
+        return lines
+    gained, lost, better, worse = _paired(cell, other)
+    met = cell["pass@1"] >= other["pass@1"]
+    lines.append(f"Outcome: `{candidate}` {cell['pass@1']:.3f} vs `{baseline}` {other['pass@1']:.3f} on {cell['problems']} "
+                 f"problems ({100 * (cell['pass@1'] - other['pass@1']):+.1f} points; +{gained:g} / -{lost:g} problems, "
+                 f"two-sided sign test p {sign_test(better, worse):.2f}): the pre-registered hypothesis is "
+                 + ("**met**" if met else "**not met**") + ".")
+    return lines
+
+
+def write_report(folders: list[str | Path], out: str | Path, title: str = "trikv quality benchmarks",
+                 preregistration: str | Path | None = None, earlier: str | None = None) -> Path:
+    """Render every run folder into one Markdown page (tables + plots copied beside it), opened by a summary
+    computed from the paired intervals and, with `preregistration` (a JSON file), the pre-registered test."""
     out = Path(out)
     assets = out.parent / f"{out.stem}_files"
     assets.mkdir(parents=True, exist_ok=True)
+    named = [(Path(folder).resolve().name, load_run(folder)) for folder in folders]
     lines = [f"# {title}", "",
              "Generated by `trikv bench report` from the `results.json` of each run folder; do not edit by hand.",
              "Teacher-forced tasks feed the known text through each method's cache in schedule-sized chunks",
              "(identical logits to one-token decoding); `full` is full attention. Every method runs on the same",
-             "schedule, also inside a long prompt: a method that ranks by its last queries (SnapKV) sees the text at",
-             "the round, not a question at the prompt's end.",
-             "The `oracle` recall row keeps, at each of triattention's rounds, the B held keys that receive the most",
-             "attention from all later queries: it maximises the total kept mass of a round, not each horizon's, so a",
-             "method that keeps only recent keys can beat it in the short horizon buckets.",
+             "schedule, budget accounting and dtype, and protects the prompt under one rule (prompt + "
+             f"{'/'.join(sorted({str(r['config'].get('min_decode_room', 32)) for _, r in named})) or 32} slots <=",
+             "budget, whatever the method's recent window, which then lives in what the prompt leaves); a method",
+             "that ranks by its last queries (SnapKV) sees the text at the round, not a question at the prompt's end.",
+             "Fidelity's headline figures count only the positions after each text's first compression round",
+             "(before it every method equals full attention). Intervals are 95% percentile bootstraps over texts or",
+             f"problems; `{ORACLE_LABEL}` is the selection that keeps, at each of triattention's rounds, the keys all",
+             "later queries attend most (in-sample, on triattention's schedule; not an upper bound at every horizon).",
              "Math runs name the decode engine that produced them.", ""]
-    for index, folder in enumerate(folders):
-        record = load_run(folder)
+    if earlier:
+        lines += [f"Runs made before these rules (a method's recent window counted against the prompt; no intervals) "
+                  f"are in [{Path(earlier).name}]({Path(earlier).name}).", ""]
+    summary = summary_lines(named)
+    if summary:
+        lines += ["## Summary: where TriAttention leads, trails and ties", "",
+                  "Computed from the paired intervals in the tables below: TriAttention *leads* a method when the whole",
+                  "95% interval of (method minus triattention) favours TriAttention, *trails* when it favours the method,",
+                  "*ties* otherwise.", ""] + [f"- {line}" for line in summary] + [""]
+    if preregistration:
+        registered = json.loads(Path(preregistration).read_text())
+        lines += ["## Pre-registered held-out test", ""] + [f"- {line}" for line in preregistration_lines(registered, named)] + [""]
+    for index, (folder, (name, record)) in enumerate(zip(folders, named)):
         config = record["config"]
-        name = Path(folder).resolve().name
         lines += [f"## {record['model']['name']}: run `{name}`", ""]
         lines += [
             f"- model: `{record['model']['name']}` ({record['model'].get('dtype', 'torch.float32').removeprefix('torch.')}, "

@@ -36,6 +36,8 @@ class QualityConfig:
     divide_length: int = 128
     # the prompt's entries are never evicted (while they leave room); the needle task always lets them compete
     protect_prompt: bool = True
+    # one rule for every method: the prompt is protected while prompt + min_decode_room <= budget
+    min_decode_room: int = 32
     seed: int = 0
     max_chunk: int = 128
     # fidelity + recall
@@ -43,6 +45,9 @@ class QualityConfig:
     text_files: list[str] = field(default_factory=list)  # the user's own UTF-8 texts, fed as they are
     text_tokens: int = 1024
     prompt_tokens: int = 32
+    # the model's own reasoning traces (shipped per model): "evaluation" or "design"; each fed behind its chat prompt
+    traces: str | None = None
+    trace_tokens: int = 2048  # tokens of each trace fed after its prompt
     recall_stride: int = 4
     horizons: list[int] = field(default_factory=lambda: [128, 512, 1024, 2048, 4096])
     # DFS state query
@@ -85,7 +90,11 @@ class QualityConfig:
         return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()[:16]
 
 
-ADDED_LATER = {"math_temperature": 0.6, "math_batch": 1, "dtype": "float32", "math_problems": None}
+ADDED_LATER = {"math_temperature": 0.6, "math_batch": 1, "dtype": "float32", "math_problems": None, "traces": None,
+               "trace_tokens": 2048, "min_decode_room": 32}
+# the prompt-protection rule the units of a folder were computed under: the same for every method (prompt +
+# min_decode_room <= budget); folders from before it (a method's recent window counted too) are refused
+PROTECTION_RULE = "equal"
 DTYPES = ("float32", "bfloat16", "float16")
 
 PRESETS: dict[str, dict] = {
@@ -119,6 +128,8 @@ def config_from_preset(preset: str, **overrides) -> QualityConfig:
     values = {**PRESETS[preset], **{k: v for k, v in overrides.items() if v is not None}}
     if values.get("math_problems") is not None and overrides.get("math_limit") is None:
         values["math_limit"] = None  # chosen ids replace the default "first N problems"
+    if values.get("traces") is not None and overrides.get("texts") is None:
+        values["texts"] = []  # the traces replace the default human texts
     unknown = set(values) - {f.name for f in dataclasses.fields(QualityConfig)}
     if unknown:
         raise ValueError(f"unknown configuration keys {sorted(unknown)}")
@@ -169,8 +180,15 @@ def validate(config: QualityConfig) -> None:
     for path in config.text_files:
         if not Path(path).is_file():
             raise FileNotFoundError(f"text file not found: {path}")
-    if "fidelity" in config.tasks and not config.texts and not config.text_files:
-        raise ValueError("the fidelity task needs at least one text (--texts or --text-file)")
+    if config.traces is not None:
+        from .traces import SPLITS
+
+        if config.traces not in SPLITS:
+            raise ValueError(f"traces must be one of {', '.join(SPLITS)}, got {config.traces!r}")
+    if config.trace_tokens < 2:
+        raise ValueError(f"trace_tokens must be at least 2, got {config.trace_tokens}")
+    if "fidelity" in config.tasks and not config.texts and not config.text_files and config.traces is None:
+        raise ValueError("the fidelity task needs at least one text (--texts, --text-file or --traces)")
 
 
 # ---- fingerprints ---------------------------------------------------------------------------------
@@ -263,6 +281,11 @@ class QualityRun:
         current = dataclasses.asdict(self.config)
         if path.exists() and not fresh:
             previous = json.loads(path.read_text())
+            if previous.get("protection_rule") != PROTECTION_RULE and any(self.out.glob("units/*__*.json")):
+                raise ValueError(
+                    f"{self.out} holds units computed under trikv's earlier prompt-protection rule (a method's recent "
+                    "window counted against the prompt, so methods protected different prompts); use another --out "
+                    "folder or --fresh to start over")
             # the number of math problems, like the methods and budgets, only says how far a run goes; so does a
             # higher token cap under greedy decoding: an answer that ended before the old cap ends there again
             previous_limit = previous.get("config", {}).get("math_limit", self.config.math_limit)
@@ -289,7 +312,7 @@ class QualityRun:
                          f"{', '.join(map(str, self.config.budgets))}{problems}); its finished cells and answers are reused")
             self.earlier_cap = previous_cap
         path.write_text(json.dumps({"fingerprint": self.config.fingerprint(), "setup_fingerprint": self.config.fingerprint(grid=False),
-                                    "config": current}, indent=1))
+                                    "protection_rule": PROTECTION_RULE, "config": current}, indent=1))
 
     def _stamp_math_caps(self) -> None:
         """Math answers from before each record named its token cap were all generated under the folder's previous
@@ -339,7 +362,8 @@ class QualityRun:
 
     def generation_options(self, method: str) -> dict:
         """Options of `generate()` for `method`: its statistics and the run's prompt protection."""
-        protection = {} if method == "full" else {"protect_prompt": self.config.protect_prompt}
+        protection = {} if method == "full" else {"protect_prompt": self.config.protect_prompt,
+                                                   "min_decode_room": self.config.min_decode_room}
         return self.method_options(method) | protection
 
     def make_cache(self, method: str, budget: int | None, protect_prompt: bool | None = None):
@@ -347,7 +371,7 @@ class QualityRun:
 
         protect = self.config.protect_prompt if protect_prompt is None else protect_prompt
         return make_cache(self.model, method, budget=budget, divide_length=self.config.divide_length,
-                          protect_prompt=protect, **self.method_options(method))
+                          protect_prompt=protect, min_decode_room=self.config.min_decode_room, **self.method_options(method))
 
     def cells(self) -> list[tuple[str, int | None]]:
         cells = [("full", None)] if "full" in self.config.methods else []  # first: others may reuse its records
@@ -415,9 +439,12 @@ class QualityRun:
         release_free_memory()
         return value
 
-    def _run_fidelity(self) -> dict:
-        from .fidelity import FidelityTask, build_batch
+    def _fidelity_texts(self) -> tuple[list[str], list[list[int]], list[int]]:
+        """(names, token ids, prompt lengths) of the run's texts: shipped and own texts cut to --text-tokens with
+        the first --prompt-tokens as the prompt; the model's reasoning traces behind their own chat prompt, each
+        with --trace-tokens tokens of the model's text after it."""
         from .texts import load_texts, text_from_file, text_token_ids
+        from .traces import load_traces
 
         c = self.config
         shipped = {t.name: t for t in load_texts()}
@@ -425,7 +452,8 @@ class QualityRun:
         if missing:
             raise ValueError(f"unknown fidelity text(s) {missing}; shipped: {', '.join(shipped)}")
         texts = [shipped[name] for name in c.texts] + [text_from_file(path) for path in c.text_files]
-        names = [text.name for text in texts]
+        traces = [trace.as_text() for trace in load_traces(c.model, c.traces)] if c.traces else []
+        names = [text.name for text in texts + traces]
         if len(set(names)) != len(names):
             raise ValueError(f"two fidelity texts share a name ({', '.join(names)}); rename the file")
         token_lists = [text_token_ids(text, self.tokenizer) for text in texts]
@@ -433,8 +461,25 @@ class QualityRun:
         if short:
             raise ValueError(f"fidelity texts must hold at least --text-tokens {c.text_tokens} tokens; "
                              + ", ".join(f"{name} has {count}" for name, count in short))
-        ids = build_batch(token_lists, c.text_tokens)
-        task = FidelityTask(self.model, ids, c.prompt_tokens, c.max_chunk, c.recall_stride, c.horizons)
+        ids = [tokens[: c.text_tokens] for tokens in token_lists]
+        prompts = [c.prompt_tokens] * len(ids)
+        for trace in traces:
+            prompt = len(text_token_ids(dataclasses.replace(trace, text=""), self.tokenizer))
+            tokens = text_token_ids(trace, self.tokenizer)
+            if len(tokens) - prompt < c.trace_tokens:
+                raise ValueError(f"trace {trace.name} holds {len(tokens) - prompt} tokens after its prompt, fewer than "
+                                 f"--trace-tokens {c.trace_tokens}")
+            ids.append(tokens[: prompt + c.trace_tokens])
+            prompts.append(prompt)
+        return names, ids, prompts
+
+    def _run_fidelity(self) -> dict:
+        from .fidelity import FidelitySuite
+        from .intervals import add_fidelity_intervals, add_recall_intervals
+
+        c = self.config
+        names, ids, prompts = self._fidelity_texts()
+        suite = FidelitySuite(self.model, ids, prompts, c.max_chunk, c.recall_stride, c.horizons)
         cells = [cell for cell in self.cells() if cell[0] != "full"]
         recall_todo = [cell for cell in cells if self.units.get("recall", *cell) is None]
         todo = [cell for cell in cells if self.units.get("fidelity", *cell) is None
@@ -442,30 +487,33 @@ class QualityRun:
         fidelity, recall = {}, {}
         oracle_todo = bool(self._oracle_schedules())  # an earlier run wrote every method but not the oracle
         if todo or recall_todo or oracle_todo or self.units.get("fidelity", "full", None) is None:
-            bar = self._bar(ids.numel(), "reference (full attention)")
-            self._timed("reference", lambda: task.run_reference(progress=bar.update, recall=bool(recall_todo or oracle_todo)))
+            bar = self._bar(suite.tokens, "reference (full attention)")
+            self._timed("reference", lambda: suite.run_reference(progress=bar.update, recall=bool(recall_todo or oracle_todo)))
             bar.close()
-            full = self._full_fidelity(task)
-            self.units.put("fidelity", "full", None, full)
+            self.units.put("fidelity", "full", None, suite.full_fidelity())
             self.units.put("recall", "full", None, {"recall": 1.0, "recall_min_head": 1.0, "by_horizon": {}})
         for method, budget in todo:
-            bar = self._bar(ids.numel(), f"fidelity {method} B={budget}")
+            bar = self._bar(suite.tokens, f"fidelity {method} B={budget}")
             torch.manual_seed(c.seed)
-            metrics, log = self._timed(f"fidelity/{method}/{budget}", lambda: task.run_method(self.make_cache(method, budget), progress=bar.update))
+            metrics, log = self._timed(f"fidelity/{method}/{budget}",
+                                       lambda: suite.run_method(lambda: self.make_cache(method, budget), progress=bar.update))
             bar.close()
             metrics["seconds"] = self.unit_seconds[f"fidelity/{method}/{budget}"]
-            metrics["round_times"] = list(log["round_times"])
-            self.units.put_tensor("fidelity", method, budget, {"evict_time": log["evict_time"], "round_times": log["round_times"]})
+            metrics["round_times"] = [list(batch["round_times"]) for batch in log["batches"]]
+            self.units.put_tensor("fidelity", method, budget, {"batches": [
+                {"evict_time": batch["evict_time"], "round_times": batch["round_times"]} for batch in log["batches"]]})
             self.units.put("fidelity", method, budget, metrics)
-            self.log(f"  fidelity {method:>14} B={budget:<5} agreement {metrics['top1_agreement']:.3f}  KL {metrics['kl']:.4f}  "
-                     f"ppl {metrics['perplexity']:.2f} (full {metrics['perplexity_full']:.2f})  {metrics['seconds']:.0f} s")
+            compressed = metrics["compressed"]
+            self.log(f"  fidelity {method:>14} B={budget:<5} compressed positions: agreement {compressed['top1_agreement']:.3f}  "
+                     f"KL {compressed['kl']:.4f}  ppl ratio {compressed['perplexity_ratio']:.3f}  {metrics['seconds']:.0f} s")
         oracles = self._oracle_schedules()
         if recall_todo or oracles:
             logs = {cell: self.units.get_tensor("fidelity", *cell) for cell in recall_todo}
             started = time.perf_counter()
-            values = task.recall(logs, oracles=oracles)
+            values = suite.recall(logs, oracles=oracles)
             self.unit_seconds["recall"] = time.perf_counter() - started
             for cell, value in values.items():
+                self.units.put_tensor("recall-rows", *cell, value.pop("rows"))
                 self.units.put("recall", *cell, value)
                 self.units.drop_tensor("fidelity", *cell)  # the eviction log is only needed until recall is written
         for method, budget in self.cells():
@@ -475,14 +523,24 @@ class QualityRun:
             oracle = self.units.get("recall", "oracle", budget)
             if oracle is not None:
                 recall.setdefault("oracle", {})[str(budget)] = oracle
-        meta = {"texts": names, "tokens_per_text": c.text_tokens, "prompt_tokens": c.prompt_tokens}
+        add_fidelity_intervals(fidelity, seed=c.seed)
+        add_recall_intervals(recall, {(method, budget): self.units.get_tensor("recall-rows", method, budget)
+                                      for method, budget in self.cells() + [("oracle", b) for b in c.budgets]},
+                             horizons=c.horizons, seed=c.seed)
+        meta = {"texts": names, "tokens_per_text": c.text_tokens, "prompt_tokens": c.prompt_tokens,
+                "prompt_lengths": prompts, "text_lengths": [len(tokens) for tokens in ids],
+                "traces": c.traces, "trace_tokens": c.trace_tokens if c.traces else None}
+        if self.stats is not None:  # the statistics' query concentration (mean R over bands and heads) per layer
+            meta["concentration_per_layer"] = [round(float(x), 5) for x in self.stats.head_concentration().mean(-1)]
         return {"fidelity": {"meta": meta, "methods": fidelity}, "recall": {"meta": meta | {"horizons": c.horizons, "query_stride": c.recall_stride}, "methods": recall}}
 
     def _oracle_schedules(self) -> dict:
-        """{("oracle", budget): (round_times, budget)} for budgets whose oracle recall is not written yet.
+        """{("oracle", budget): (round times per batch of texts, budget)} for budgets whose oracle recall is not
+        written yet.
 
-        The oracle follows the compression schedule of triattention at that budget (every method on the
-        shared trigger has the same one), else of the first method that has a recorded schedule."""
+        The oracle (future-attention selection) follows the compression schedule of triattention at that budget
+        (every method on the shared trigger has the same one), else of the first method that has a recorded
+        schedule."""
         schedules = {}
         for budget in self.config.budgets:
             if self.units.get("recall", "oracle", budget) is not None:
@@ -490,21 +548,10 @@ class QualityRun:
             order = sorted((m for m in self.config.methods if m != "full"), key=lambda m: m != "triattention")
             for method in order:
                 unit = self.units.get("fidelity", method, budget)
-                if unit is not None and unit.get("round_times"):
+                if unit is not None and any(unit.get("round_times") or []):
                     schedules[("oracle", budget)] = (unit["round_times"], budget)
                     break
         return schedules
-
-    def _full_fidelity(self, task) -> dict:
-        from .fidelity import FidelityAccumulator
-
-        accumulator = FidelityAccumulator()
-        P, T = task.prompt_length, task.length
-        for start in range(P, T - 1, 256):
-            end = min(T - 1, start + 256)
-            logits = task.reference.logits(self.model, start, end)
-            accumulator.add(start, logits, logits, task.ids[:, start + 1 : end + 1])
-        return accumulator.result()
 
     def _run_dfs(self) -> dict:
         from . import dfs
@@ -568,12 +615,13 @@ class QualityRun:
     def _run_math(self) -> dict:
         from ..speed.machine import current_rss
         from . import math_task
+        from .intervals import add_math_intervals
 
         c = self.config
         out = {"meta": {"datasets": c.math_datasets, "limit": c.math_limit, "problems": c.math_problems, "samples": c.math_samples,
                         "max_new_tokens": c.math_max_new_tokens, "temperature": c.math_temperature,
                         "top_p": 0.95 if c.math_temperature > 0 else None, "engine": c.math_engine,
-                        "problems_per_batch": c.math_batch, "dtype": c.dtype,
+                        "problems_per_batch": c.math_batch, "dtype": c.dtype, "min_decode_room": c.min_decode_room,
                         "excluded_rows": {d: sorted(math_task.reserved_rows(d)) for d in c.math_datasets}}}
         for dataset in c.math_datasets:
             problems = math_task.load_problems(dataset, c.math_limit, ids=c.math_problems)
@@ -622,6 +670,7 @@ class QualityRun:
                 wanted = {p["id"] for p in problems}
                 table.setdefault(method, {})[budget_key(method, budget)] = math_task.summarise(
                     [r for r in unit["records"] if r["id"] in wanted])
+            add_math_intervals(table, seed=c.seed)
             out[dataset] = table
         return {"math": out}
 

@@ -1,0 +1,166 @@
+"""The bundled models' own reasoning traces: the text a bounded cache exists for.
+
+Each bundled model answers math problems with full attention, sampled as the paper samples (T 0.6, top-p 0.95,
+the math prompt in the chat template), and its answers are frozen in `data/traces/<model>.jsonl` with their
+seeds and the command that wrote them. A trace is one problem's answer, 2,048+ tokens long: where the model
+stops earlier, further sampled attempts at the same problem are appended (separated by a blank line) until the
+trace is long enough. Fidelity and recall then feed a trace behind its own chat prompt (the problem), which a
+compressed cache protects as it protects a generation's prompt.
+
+Problems come from rows no other part of trikv uses: MATH-500 level-5 rows 400-499 and AIME 2025 for the
+`evaluation` traces, MATH-500 level-5 rows 100-249 for the `design` traces (the ones a method may be tuned or
+diagnosed on). Rows 0-99 (math evaluation), 250-297 (calibration) and 300-399 (the held-out math test) are never
+used. `python -m trikv.benchmarks.quality.traces --model M --split S` writes a split again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from .texts import FidelityText
+
+TRACES_DIR = Path(__file__).resolve().parent / "data" / "traces"
+SPLITS = ("evaluation", "design")
+TEMPERATURE, TOP_P = 0.6, 0.95
+MIN_TOKENS = 2048
+MAX_ATTEMPTS = 8
+# evaluation problems, in the order a smaller set takes them: 6 MATH-500 rows then 2 AIME 2025 problems per 8
+EVALUATION_PROBLEMS = (
+    "math500-400", "math500-401", "math500-408", "math500-415", "math500-417", "math500-418", "aime25-0", "aime25-1",
+    "math500-421", "math500-422", "math500-423", "math500-424", "math500-425", "math500-432", "aime25-2", "aime25-3",
+)
+DESIGN_PROBLEMS = (
+    "math500-100", "math500-101", "math500-103", "math500-109", "math500-118", "math500-129", "math500-135", "math500-136",
+)
+# traces per split and model (the 1.5B is the slowest to sample on a CPU); design traces exist for the model whose
+# gap to R-KV is diagnosed
+COUNTS = {"smollm2-135m": {"evaluation": 16, "design": 0}, "qwen2.5-coder-0.5b": {"evaluation": 16, "design": 0},
+          "qwen2.5-coder-1.5b": {"evaluation": 8, "design": 8}}
+
+
+@dataclass
+class Trace:
+    name: str  # the problem id, e.g. "math500-400"
+    split: str
+    prompt: str  # the user turn (the chat template is applied where it is fed)
+    text: str  # the model's answers, attempts separated by a blank line
+    tokens: int  # tokens of `text` as the model wrote them
+    seeds: list[int]  # the sampling seed of each attempt
+    source: str
+
+    def as_text(self) -> FidelityText:
+        return FidelityText(self.name, "trace", self.text, prompt=self.prompt, source=self.source, seed=self.seeds[0])
+
+
+def trace_file(model: str) -> Path:
+    return TRACES_DIR / f"{model}.jsonl"
+
+
+def load_traces(model: str, split: str) -> list[Trace]:
+    """The shipped traces of `model` in `split` (evaluation | design), in problem order."""
+    if split not in SPLITS:
+        raise ValueError(f"trace split must be one of {', '.join(SPLITS)}, got {split!r}")
+    path = trace_file(model)
+    if not path.is_file():
+        shipped = sorted(p.stem for p in TRACES_DIR.glob("*.jsonl"))
+        raise FileNotFoundError(f"no reasoning traces ship for model {model!r} (traces ship for: {', '.join(shipped) or 'none'}); "
+                                "use --texts or --text-file, or write them with `python -m trikv.benchmarks.quality.traces`")
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    traces = [Trace(**{k: row[k] for k in Trace.__dataclass_fields__}) for row in rows if row["split"] == split]
+    if not traces:
+        raise ValueError(f"{path} holds no {split} traces")
+    return traces
+
+
+def problems_for(model: str, split: str) -> list[str]:
+    count = COUNTS.get(model, {"evaluation": 16, "design": 8})[split]
+    return list((EVALUATION_PROBLEMS if split == "evaluation" else DESIGN_PROBLEMS)[:count])
+
+
+def write_traces(model_name: str, split: str, seed: int = 0, dtype: str = "float32", engine: str = "lean",
+                 batch: int = 16, min_tokens: int = MIN_TOKENS, command: str | None = None, log=print) -> list[Trace]:
+    """Sample `split`'s traces of `model_name` with full attention and write them into its trace file (the other
+    split's rows are kept). Attempt a (0-based) of every problem still short is sampled in one batch with seed
+    `seed + a`; an attempt may write up to the tokens its problem still lacks (+ 64)."""
+    import torch
+
+    from ...generation import generate
+    from ...models import load_model
+    from .math_task import load_problems
+
+    problem_ids = problems_for(model_name, split)
+    if not problem_ids:
+        raise ValueError(f"no {split} traces are planned for {model_name} (traces.COUNTS)")
+    model, tokenizer = load_model(model_name, dtype=getattr(torch, dtype))
+    by_dataset: dict[str, list[str]] = {}
+    for problem_id in problem_ids:
+        by_dataset.setdefault(problem_id.rpartition("-")[0], []).append(problem_id)
+    prompts = {}
+    for dataset, ids in by_dataset.items():
+        prompts |= {p["id"]: p["prompt"] for p in load_problems(dataset, ids=ids)}
+    pieces: dict[str, list[list[int]]] = {pid: [] for pid in problem_ids}
+    seeds: dict[str, list[int]] = {pid: [] for pid in problem_ids}
+    separator = tokenizer("\n\n", add_special_tokens=False)["input_ids"]
+    for attempt in range(MAX_ATTEMPTS):
+        short = [pid for pid in problem_ids if _length(pieces[pid], separator) < min_tokens]
+        if not short:
+            break
+        for first in range(0, len(short), batch):
+            group = short[first:first + batch]
+            missing = max(min_tokens - _length(pieces[pid], separator) for pid in group)
+            result = generate(model, tokenizer, [prompts[pid] for pid in group], method="full", max_new_tokens=missing + 64,
+                              do_sample=True, temperature=TEMPERATURE, top_p=TOP_P, seed=seed + attempt, engine=engine)
+            eos = set([tokenizer.eos_token_id] if isinstance(tokenizer.eos_token_id, int) else tokenizer.eos_token_id or [])
+            for pid, tokens in zip(group, result.tokens):
+                tokens = [t for t in tokens if t not in eos]
+                if tokens:
+                    pieces[pid].append(tokens)
+                    seeds[pid].append(seed + attempt)
+            log(f"attempt {attempt}: {len(group)} problems, longest {max(len(t) for t in result.tokens)} tokens")
+    traces = []
+    for pid in problem_ids:
+        texts = [tokenizer.decode(tokens, skip_special_tokens=True).strip() for tokens in pieces[pid]]
+        length = _length(pieces[pid], separator)
+        traces.append(Trace(
+            name=pid, split=split, prompt=prompts[pid], text="\n\n".join(texts), tokens=length, seeds=seeds[pid],
+            source=(f"{model_name} ({dtype}, {engine} engine) with full attention on {pid}, chat template: "
+                    f"{len(texts)} sampled attempt(s), T {TEMPERATURE}, top-p {TOP_P}, seeds {seeds[pid]}"
+                    + (f"; command: {command}" if command else "")),
+        ))
+    path = trace_file(model_name)
+    kept = []
+    if path.is_file():
+        kept = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip() and json.loads(line)["split"] != split]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(kept + [json.dumps(trace.__dict__, ensure_ascii=False) for trace in traces]) + "\n", encoding="utf-8")
+    return traces
+
+
+def _length(pieces: list[list[int]], separator: list[int]) -> int:
+    return sum(len(p) for p in pieces) + len(separator) * max(len(pieces) - 1, 0)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m trikv.benchmarks.quality.traces", description=__doc__.split("\n")[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--split", choices=SPLITS, required=True)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args(argv)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    command = "python -m trikv.benchmarks.quality.traces " + " ".join(sys.argv[1:] if argv is None else argv)
+    for trace in write_traces(args.model, args.split, args.seed, args.dtype, batch=args.batch, command=command):
+        print(f"{trace.name}: {trace.tokens} tokens in {len(trace.seeds)} attempt(s)")
+
+
+if __name__ == "__main__":
+    main()

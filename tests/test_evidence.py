@@ -1,0 +1,278 @@
+"""The rules behind the quality evidence: one prompt-protection rule for every method, fidelity counted where
+compression acts, bootstrap intervals, reasoning traces, and a report whose sentences come from the data."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from helpers import tiny_model
+from stats_fixtures import tiny_stats
+
+import trikv
+from trikv.benchmarks.quality import intervals
+from trikv.benchmarks.quality.fidelity import FidelitySuite, FidelityTask
+from trikv.cache import make_cache
+from trikv.policies import REGISTRY
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+class _Tok:
+    pad_token_id, eos_token_id, chat_template = 0, None, None
+
+    def decode(self, ids, skip_special_tokens=True):
+        return ""
+
+
+# ---- one protection rule ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("method", ["triattention-recent", "h2o", "snapkv", "rkv", "streaming"])
+def test_methods_with_different_windows_protect_the_same_prompt(method):
+    """A 16-token prompt at budget 24 with 4 slots of decode room is protected for every method, whatever its
+    recent window (triattention: none; h2o: half the budget; snapkv / triattention-recent: a window that no
+    longer fits beside the prompt): after every round each (layer, KV head) still holds the whole prompt, and
+    no more than the budget. (Under the earlier rule prompt + window + room had to fit, so these methods
+    dropped prompt tokens while triattention kept them.)"""
+    model = tiny_model(seed=3)
+    stats = tiny_stats(model)
+    prompt_length, budget = 16, 24
+    prompt = torch.randint(1, 96, (prompt_length,), generator=torch.Generator().manual_seed(7)).tolist()
+    kept = {}
+    for name in (method, "triattention"):
+        options = {"stats": stats} if REGISTRY[name].needs_stats else {}
+        # windows that no longer fit beside the prompt (16 + 12 + 4 > 24): the old rule gave the prompt up
+        options |= {"triattention-recent": {"recent_window": 12}, "snapkv": {"window_size": 12},
+                    "rkv": {"window_size": 12}}.get(name, {})
+        cache = make_cache(model, name, budget=budget, divide_length=8, min_decode_room=4, **options)
+        seen = []
+        original = cache.compress
+
+        def compress(cache=cache, original=original, seen=seen):
+            rounds = cache.rounds
+            original()
+            if cache.rounds > rounds:
+                positions = cache.visible_positions()[:, 0]  # [L, Hkv, P]
+                seen.append([[sorted(p for p in head.tolist() if p >= 0) for head in layer] for layer in positions])
+
+        cache.compress = compress
+        trikv.generate(model, _Tok(), [prompt], cache=cache, max_new_tokens=40, min_new_tokens=40)
+        assert len(seen) >= 3
+        for snapshot in seen:
+            for layer in snapshot:
+                for head in layer:
+                    assert set(range(prompt_length)) <= set(head), (name, head)
+                    assert len(head) == budget
+        assert bool(cache.prompt_protected().all())
+        kept[name] = seen
+    assert len(kept[method]) == len(kept["triattention"])
+
+
+def test_the_window_lives_in_what_the_protected_prompt_leaves():
+    from trikv.selection import protected_entries
+
+    positions = torch.arange(30).view(1, 1, 1, 30)
+    t = torch.tensor([30])
+    # prompt 16 of budget 24: a window of 12 shrinks to the 8 slots the prompt leaves
+    protected = protected_entries(positions, t, torch.tensor([16]), 24, 12, 4)
+    assert protected[0, 0, 0].nonzero().flatten().tolist() == list(range(16)) + list(range(22, 30))
+    # a prompt that does not fit competes; the whole window is protected
+    protected = protected_entries(positions, t, torch.tensor([22]), 24, 12, 4)
+    assert protected[0, 0, 0].nonzero().flatten().tolist() == list(range(18, 30))
+
+
+# ---- fidelity where compression acts ------------------------------------------------------------------------
+def test_compressed_positions_start_at_the_first_round():
+    """Streaming at budget 16 + slack 16 after an 8-token prompt: the first round runs before the forward that
+    starts at token 32, so positions 32.. are the compressed ones; before them nothing was evicted and the
+    method equals full attention (KL 0), so the all-position sums exceed the compressed ones by nothing but
+    the position count."""
+    model = tiny_model()
+    ids = torch.randint(1, 96, (2, 120), generator=torch.Generator().manual_seed(3))
+    task = FidelityTask(model, ids, prompt_length=8, max_chunk=32, recall_stride=2, horizons=(32,))
+    task.run_reference()
+    metrics, log = task.run_method(make_cache(model, "streaming", budget=16, divide_length=16))
+    assert log["round_times"][0] == metrics["first_round"] == 32
+    per_text = metrics["per_text"]
+    assert per_text["compressed"]["n"] == [120 - 1 - 32] * 2
+    assert per_text["all"]["n"] == [120 - 1 - 8] * 2
+    for row in range(2):
+        assert per_text["all"]["kl"][row] - per_text["compressed"]["kl"][row] == pytest.approx(0.0, abs=1e-4)
+        assert per_text["all"]["agree"][row] - per_text["compressed"]["agree"][row] == 32 - 8
+    assert metrics["compressed"]["kl"] > metrics["kl"]  # the same KL over fewer positions
+    assert metrics["compressed"]["positions"] == 2 * (120 - 1 - 32)
+
+
+def test_a_suite_of_texts_with_their_own_prompts_equals_each_text_alone():
+    """Texts of different prompt lengths are fed in their own batches; per-text figures equal each text run
+    alone, and the pooled recall equals the one computed from the merged per-text sums."""
+    model = tiny_model()
+    generator = torch.Generator().manual_seed(5)
+    texts = [torch.randint(1, 96, (n,), generator=generator).tolist() for n in (100, 110, 100)]
+    prompts = [6, 12, 6]
+    suite = FidelitySuite(model, texts, prompts, max_chunk=32, recall_stride=2, horizons=(32,))
+    assert len(suite.batches) == 2
+    suite.run_reference()
+    metrics, log = suite.run_method(lambda: make_cache(model, "streaming", budget=16, divide_length=8))
+    recall = suite.recall({"x": log})["x"]
+    for row, (text, prompt) in enumerate(zip(texts, prompts)):
+        alone = FidelityTask(model, torch.tensor([text]), prompt, max_chunk=32, recall_stride=2, horizons=(32,))
+        alone.run_reference()
+        single, single_log = alone.run_method(make_cache(model, "streaming", budget=16, divide_length=8))
+        assert metrics["first_round"][row] == single["first_round"]
+        for part in ("all", "compressed"):
+            for name in ("n", "agree", "kl", "nll"):
+                assert metrics["per_text"][part][name][row] == pytest.approx(single["per_text"][part][name][0], rel=1e-4, abs=1e-5)
+        single_recall = alone.recall({"x": single_log})["x"]
+        assert torch.allclose(recall["rows"]["kept"][row], single_recall["rows"]["kept"][0], atol=1e-6)
+
+
+# ---- bootstrap intervals --------------------------------------------------------------------------------
+def test_bootstrap_interval_of_a_mean_matches_the_normal_approximation():
+    """For 400 coin flips with p = 0.3 the percentile interval of the mean is close to p +- 1.96 sqrt(p(1-p)/n);
+    identical units give a zero-width interval; the same data and seed give the same interval."""
+    scores = np.array([1.0] * 120 + [0.0] * 280)
+    weights = intervals.resample_weights(len(scores), 4000, seed=1)
+    assert (weights.sum(1) == len(scores)).all()
+    low, high = intervals.percentile_interval(weights @ scores / len(scores))
+    half = 1.96 * math.sqrt(0.3 * 0.7 / 400)
+    assert low == pytest.approx(0.3 - half, abs=0.006) and high == pytest.approx(0.3 + half, abs=0.006)
+    assert intervals.percentile_interval(weights @ np.full(400, 0.25) / 400) == pytest.approx([0.25, 0.25])
+    again = intervals.resample_weights(len(scores), 4000, seed=1)
+    assert intervals.percentile_interval(again @ scores / 400) == [low, high]
+
+
+def test_paired_math_differences_cancel_what_problems_share():
+    """Two methods that differ on one problem out of 50: the paired interval of the difference is narrow and
+    contains the difference; a method against itself has [0, 0]."""
+    base = {f"p{i}": float(i % 2) for i in range(50)}
+    better = dict(base, p0=1.0)
+    table = {"triattention": {"128": {"pass@1": 0.5, "by_problem": base}},
+             "rkv": {"128": {"pass@1": 0.52, "by_problem": better}},
+             "snapkv": {"128": {"pass@1": 0.5, "by_problem": dict(base)}}}
+    intervals.add_math_intervals(table, seed=0)
+    rkv = table["rkv"]["128"]["vs_triattention"]["pass@1"]
+    assert rkv["difference"] == pytest.approx(0.02)
+    assert 0.0 <= rkv["ci"][0] <= 0.02 <= rkv["ci"][1] <= 0.06 + 1e-9
+    assert table["snapkv"]["128"]["vs_triattention"]["pass@1"]["ci"] == [0.0, 0.0]
+    low, high = table["triattention"]["128"]["ci"]["pass@1"]
+    assert low < 0.5 < high
+
+
+def test_fidelity_intervals_are_ratios_of_resampled_sums():
+    per_text = {"n": [100, 100, 100], "agree": [90, 95, 100], "kl": [1.0, 2.0, 3.0], "nll": [200, 210, 220],
+                "nll_full": [200, 200, 200]}
+    weights = np.array([[3, 0, 0], [0, 0, 3], [1, 1, 1]], dtype=np.float64)
+    figures = intervals.fidelity_resamples(per_text, weights)
+    assert figures["top1_agreement"].tolist() == pytest.approx([0.90, 1.00, 0.95])
+    assert figures["kl"].tolist() == pytest.approx([0.01, 0.03, 0.02])
+    assert figures["perplexity_ratio"].tolist() == pytest.approx([1.0, math.exp(0.2), math.exp(0.1)])
+
+
+# ---- the report says what the data say --------------------------------------------------------------------
+def _record(kl_rkv: float):
+    """A one-budget fidelity run in which rkv's KL minus triattention's is `kl_rkv` with a tight interval."""
+    def cell(kl, diff=None):
+        out = {"kl": kl, "top1_agreement": 0.9, "perplexity": 2.0, "perplexity_full": 1.9, "positions": 100,
+               "compressed": {"kl": kl, "top1_agreement": 0.9, "perplexity_ratio": 1.05, "positions": 80}}
+        if diff is not None:
+            out["vs_triattention"] = {"compressed": {"kl": {"difference": diff, "ci": [diff - 0.001, diff + 0.001]},
+                                                     "top1_agreement": {"difference": 0.0, "ci": [-0.01, 0.01]}}}
+        return out
+
+    return {"model": {"name": "tiny"}, "config": {"budgets": [128], "methods": ["full", "triattention", "rkv"]},
+            "results": {"fidelity": {"meta": {"texts": ["a"], "tokens_per_text": 100, "prompt_tokens": 8},
+                                     "methods": {"full": {"full": cell(0.0)}, "triattention": {"128": cell(0.05)},
+                                                 "rkv": {"128": cell(0.05 + kl_rkv, kl_rkv)}}}}}
+
+
+def test_opposite_data_give_opposite_sentences():
+    from trikv.benchmarks.quality.report import summary_lines
+
+    worse = summary_lines([("run", _record(+0.02))])
+    better = summary_lines([("run", _record(-0.02))])
+    assert len(worse) == len(better) == 1
+    assert "TriAttention leads `rkv` +0.0200" in worse[0] and "trails" not in worse[0]
+    assert "TriAttention trails `rkv` -0.0200" in better[0] and "leads" not in better[0]
+    tied = summary_lines([("run", _record(0.0))])
+    assert "TriAttention ties `rkv`" in tied[0]
+
+
+def test_preregistered_outcome_is_computed_from_the_run():
+    from trikv.benchmarks.quality.report import preregistration_lines
+
+    registration = {"candidate": "triattention", "baseline": "rkv", "budget": 128, "dataset": "math500", "run": "held",
+                    "registered": "2026-12-03", "hypothesis": "h", "rationale": "r", "command": "c"}
+
+    def record(candidate_scores):
+        scores = lambda values: {f"p{i}": v for i, v in enumerate(values)}
+        cells = {"triattention": scores(candidate_scores), "rkv": scores([1.0, 0.0, 1.0, 0.0])}
+        return {"config": {"budgets": [128], "methods": list(cells)},
+                "results": {"math": {"meta": {"datasets": ["math500"]}, "math500": {
+                    method: {"128": {"pass@1": sum(s.values()) / 4, "problems": 4, "by_problem": s}} for method, s in cells.items()}}}}
+
+    assert preregistration_lines(registration, [])[-1] == "Outcome: not run yet."
+    assert "is **met**" in preregistration_lines(registration, [("held", record([1.0, 1.0, 1.0, 0.0]))])[-1]
+    assert "is **not met**" in preregistration_lines(registration, [("held", record([0.0, 0.0, 1.0, 0.0]))])[-1]
+
+
+# ---- reasoning traces ---------------------------------------------------------------------------------------
+def test_traces_refuse_unknown_splits_and_models(tmp_path, monkeypatch):
+    from trikv.benchmarks.quality import traces
+
+    with pytest.raises(ValueError, match="trace split must be one of evaluation, design"):
+        traces.load_traces("smollm2-135m", "test")
+    monkeypatch.setattr(traces, "TRACES_DIR", tmp_path)
+    with pytest.raises(FileNotFoundError, match="no reasoning traces ship for model 'tiny'"):
+        traces.load_traces("tiny", "evaluation")
+    row = {"name": "math500-400", "split": "design", "prompt": "p", "text": "t", "tokens": 3, "seeds": [0], "source": "s"}
+    (tmp_path / "tiny.jsonl").write_text(json.dumps(row) + "\n")
+    assert [t.name for t in traces.load_traces("tiny", "design")] == ["math500-400"]
+    with pytest.raises(ValueError, match="holds no evaluation traces"):
+        traces.load_traces("tiny", "evaluation")
+
+
+def test_trace_problems_avoid_every_row_used_elsewhere():
+    """Evaluation and design traces never come from math evaluation rows 0-99, the calibration rows or the
+    held-out rows 300-399, and the two splits share no problem."""
+    from trikv.benchmarks.quality import traces
+    from trikv.benchmarks.quality.math_task import reserved_rows
+
+    used = set(traces.EVALUATION_PROBLEMS) | set(traces.DESIGN_PROBLEMS)
+    assert not set(traces.EVALUATION_PROBLEMS) & set(traces.DESIGN_PROBLEMS)
+    for problem in used:
+        dataset, _, row = problem.rpartition("-")
+        if dataset == "math500":
+            assert 100 <= int(row) < 250 or 400 <= int(row) < 500, problem
+            assert int(row) not in reserved_rows("math500")
+
+
+def test_a_folder_from_the_earlier_protection_rule_is_refused(tmp_path):
+    """Units computed when a method's window counted against the prompt are not mixed with new ones; a folder
+    written under the current rule resumes."""
+    from trikv.benchmarks.quality.runner import PROTECTION_RULE, QualityRun, config_from_preset
+
+    config = config_from_preset("quick", tasks=["math"], methods=["full", "snapkv"], budgets=[64])
+    QualityRun(config, tmp_path, progress=False, log=lambda *a: None)  # writes config.json under the current rule
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["protection_rule"] == PROTECTION_RULE
+    (tmp_path / "units" / "fidelity__snapkv__64.json").write_text("{}")
+    QualityRun(config, tmp_path, progress=False, log=lambda *a: None)  # same rule: resumes
+    del saved["protection_rule"]
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    with pytest.raises(ValueError, match="earlier prompt-protection rule"):
+        QualityRun(config, tmp_path, progress=False, log=lambda *a: None)
+    QualityRun(config, tmp_path, fresh=True, progress=False, log=lambda *a: None)  # --fresh starts over
+
+
+def test_trace_settings_are_checked():
+    from trikv.benchmarks.quality.runner import config_from_preset
+
+    with pytest.raises(ValueError, match="traces must be one of evaluation, design, got 'held'"):
+        config_from_preset("quick", traces="held")
+    with pytest.raises(ValueError, match="trace_tokens must be at least 2"):
+        config_from_preset("quick", traces="design", trace_tokens=1)
+    config = config_from_preset("quick", tasks=["fidelity"], traces="design")
+    assert config.texts == []  # the traces replace the default human texts
