@@ -46,7 +46,8 @@ def main():
         "problems": f"MATH-500 rows {args.first}-{args.first + args.count - 1} (MIT)",
         "math500_rows": [args.first, args.first + args.count - 1],  # reserved: math evaluation skips them
         "sampling": {"temperature": 0.6, "top_p": 0.95, "seed": args.seed, "max_new_tokens": args.new_tokens},
-        "generated_with": f"trikv.generate(method='full', engine={args.engine!r}), chat template",
+        "generated_with": f"trikv.generate(method='full', engine={args.engine!r}), "
+                          + ("chat template" if getattr(tokenizer, "chat_template", None) else "plain prompt (no chat template)"),
         "tokens": len(tokenizer(out.read_text()).input_ids),
     }
     out.with_suffix(".json").write_text(json.dumps(provenance, indent=2) + "\n")

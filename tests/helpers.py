@@ -11,8 +11,10 @@ import contextlib
 
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
+from trikv.architectures import model_shape
 from trikv.cache import CompressedCache, decoder
 from trikv.compat import cache_kwargs
 
@@ -29,6 +31,17 @@ TINY = dict(
 )
 
 
+# hybrid families: sliding-window layers (window 8) around full-attention ones, as Gemma-3 and GPT-OSS lay them out
+HYBRID = {
+    "gemma3_text": dict(head_dim=16, sliding_window=8, query_pre_attn_scalar=16,
+                        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"]),
+    "gpt_oss": dict(head_dim=16, sliding_window=8, num_local_experts=4, num_experts_per_tok=2,
+                    layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"]),
+}
+# GPT-OSS implements no SDPA attention (its sinks need eager or flash / flex kernels)
+EAGER_ONLY = {"gpt_oss"}
+
+
 def tiny_config(family: str, **overrides):
     from transformers import AutoConfig
 
@@ -37,6 +50,8 @@ def tiny_config(family: str, **overrides):
         options["head_dim"] = 16
     if family == "mistral":
         options["sliding_window"] = None
+    if family in HYBRID:
+        options.update(HYBRID[family], num_hidden_layers=4)
     options.update(overrides)
     return AutoConfig.for_model(family, **options)
 
@@ -44,12 +59,16 @@ def tiny_config(family: str, **overrides):
 def tiny_model(family: str = "llama", attn: str = "sdpa", seed: int = 0, dtype=torch.float32, **overrides):
     torch.manual_seed(seed)
     config = tiny_config(family, **overrides)
+    if family in EAGER_ONLY:
+        attn = "eager"
     model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=dtype)
     # larger weights make logits spread out, so greedy tokens are not decided by float noise
     with torch.no_grad():
         for name, param in model.named_parameters():
             if param.dim() == 2:
                 param.mul_(4.0)
+            if name.endswith("sinks"):  # sinks that take a real share of each softmax
+                param.copy_(torch.randn(param.shape) * 2.0)
     return model.eval()
 
 
@@ -72,21 +91,42 @@ class VisibleLog:
 _STATE: dict = {}
 
 
-def _masked_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
-    """Full attention over a DynamicCache where only the logged entries are allowed, per KV head."""
-    # query [b, Hq, q, D]; key/value [b, Hkv, T, D] in logical order (pads included)
-    allowed = _STATE["allowed"][module.layer_idx]  # [b, Hkv, q, T]
+def _attend(module, query, key, value, allowed, scaling):
+    """Plain attention: query [b, Hq, q, D] over key/value [b, Hkv, K, D] where `allowed` [b, Hq|1, q, K] is True,
+    with the module's attention sinks (GPT-OSS) in the softmax denominator."""
     group = query.shape[1] // key.shape[1]
     key = key.repeat_interleave(group, dim=1)
     value = value.repeat_interleave(group, dim=1)
     logits = (query @ key.transpose(-1, -2)) * scaling
-    mask = allowed.repeat_interleave(group, dim=1)
-    logits = logits.masked_fill(~mask, torch.finfo(logits.dtype).min)
-    weights = torch.softmax(logits.float(), dim=-1).to(query.dtype)
-    return (weights @ value).transpose(1, 2).contiguous(), None
+    logits = logits.masked_fill(~allowed, torch.finfo(logits.dtype).min).float()
+    sinks = getattr(module, "sinks", None)
+    if sinks is not None:
+        sink = sinks.float().view(1, -1, 1, 1).expand(*logits.shape[:-1], 1)
+        weights = torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        weights = torch.softmax(logits, dim=-1)
+    return (weights.to(query.dtype) @ value).transpose(1, 2).contiguous(), None
+
+
+def _masked_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """Full attention over a DynamicCache where only the logged entries are allowed, per KV head; a hybrid
+    model's sliding layers attend as transformers makes them (their window's keys, its mask)."""
+    # query [b, Hq, q, D]; key/value [b, Hkv, T, D] in logical order (pads included)
+    row = _STATE["rows"].get(module.layer_idx)
+    if row is None:  # a sliding layer: its own window and mask
+        q, K = query.shape[2], key.shape[2]
+        if attention_mask is None:
+            allowed = torch.arange(K)[None, :] <= (K - q + torch.arange(q))[:, None]
+        else:
+            allowed = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
+        return _attend(module, query, key, value, allowed, scaling)
+    allowed = _STATE["allowed"][row]  # [b, Hkv, q, T]
+    group = query.shape[1] // key.shape[1]
+    return _attend(module, query, key, value, allowed.repeat_interleave(group, dim=1), scaling)
 
 
 AttentionInterface.register("trikv_test_masked", _masked_attention)
+AttentionMaskInterface.register("trikv_test_masked", sdpa_mask)  # the sliding layers' masks
 
 
 @contextlib.contextmanager
@@ -131,6 +171,7 @@ def masked_reference_logits(model, input_ids, attention_mask, generated, visible
         key_index = torch.arange(total)
         causal = key_index[None, :] <= query_index[:, None]  # [q, T]
         _STATE["allowed"] = allowed_keys[:, :, :, None, :] & causal[None, None, None]
+        _STATE["rows"] = {layer: row for row, layer in enumerate(model_shape(model).cached_layers)}
         position_ids = (mask2d.cumsum(-1) - 1).masked_fill(mask2d == 0, 0)[:, seen:total]
         with attention_implementation(model, "trikv_test_masked"):
             out = model(input_ids=tokens, position_ids=position_ids, **cache_kwargs(model, cache), use_cache=True)

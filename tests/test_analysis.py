@@ -215,11 +215,10 @@ def test_capture_geometry_matches_model_rotation(kind):
         assert shape.sliding_windows == [16, None, 16]
         assert not torch.allclose(shape.geometries[0].omega, shape.geometries[1].omega)
         assert shape.scaling == [64**-0.5] * 3
-        # the cache's stricter check still refuses this model; only the analysis accepts it
-        from trikv.architectures import UnsupportedModelError, model_shape
+        # the cache bounds the global layer and leaves the sliding ones to transformers
+        from trikv.architectures import model_shape
 
-        with pytest.raises(UnsupportedModelError):
-            model_shape(model)
+        assert model_shape(model).cached_layers == (1,)
 
 
 # ---- end to end ----------------------------------------------------------------------------------------
@@ -299,6 +298,14 @@ def test_analyze_command_end_to_end(tmp_path):
     assert code == 0
     saved = _check_result_files(out, json.loads((out / "analysis.json").read_text()), L=3, H=4, F=16)
     assert saved["meta"]["layer_types"][1] == "full_attention" and saved["meta"]["sliding_windows"] == [16, None, 16]
+    # global and sliding layers are summarised apart, each from its own heads
+    for text in saved["texts"].values():
+        by_type = text["by_layer_type"]
+        assert by_type["full_attention"]["layers"] == [1] and by_type["sliding_attention"]["layers"] == [0, 2]
+        R = torch.tensor(text["concentration"]["q_head_R_weighted"])
+        assert by_type["full_attention"]["q_weighted"]["mean"] == pytest.approx(float(R[1].mean()), abs=1e-6)
+        assert by_type["sliding_attention"]["q_weighted"]["mean"] == pytest.approx(float(R[[0, 2]].mean()), abs=1e-6)
+    assert "Full-attention vs sliding-window layers" in (out / "report.md").read_text()
     valid = saved["texts"]["a"]["reconstruction"]["valid"]
     distances = saved["meta"]["distances"]
     assert all(v == (d < 16) for v, d in zip(valid[0], distances)) and all(valid[1])

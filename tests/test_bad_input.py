@@ -121,6 +121,26 @@ def test_model_without_rope():
         trikv.make_cache(model, "streaming", budget=16)
 
 
+def test_hybrid_models_refuse_what_they_cannot_do(tmp_path):
+    """The lean engine and attention matching refuse hybrid / sink models with a message; so do statistics of
+    a non-hybrid model on a hybrid one, and a model whose every layer slides."""
+    import trikv
+    from trikv.calibration import calibrate
+    from trikv.lean import LeanEngine
+
+    gemma = tiny_model("gemma3_text")
+    with pytest.raises(UnsupportedModelError, match="hybrid sliding/global model: use engine='transformers'"):
+        LeanEngine(gemma)
+    oss = tiny_model("gpt_oss")
+    with pytest.raises(UnsupportedModelError, match="attention matching with sinks is not implemented"):
+        trikv.make_cache(oss, "tam-shared", budget=64, tokenizer=None)
+    stats = calibrate(tiny_model("llama", num_hidden_layers=4), torch.randint(1, 96, (64,)), source="t", progress=False)
+    with pytest.raises(StatsFileError, match="do not match the model"):
+        stats.check_matches(gemma)
+    with pytest.raises(UnsupportedModelError, match="no full-attention layer"):
+        trikv.make_cache(tiny_model("gemma3_text", layer_types=["sliding_attention"] * 4), "streaming", budget=16)
+
+
 def test_sliding_window_model_is_refused():
     model = tiny_model("mistral", sliding_window=64)
     with pytest.raises(UnsupportedModelError, match="sliding-window"):

@@ -133,6 +133,26 @@ def test_eviction_equals_masking(method):
     torch.testing.assert_close(torch.stack(result.logits), reference, rtol=0, atol=2e-4)
 
 
+@pytest.mark.parametrize("family", ["gemma3_text", "gpt_oss"])
+@pytest.mark.parametrize("method", ["snapkv", "h2o", "rkv", "tova"])
+def test_attention_baselines_on_hybrid_models_equal_masking(family, method):
+    """Attention-scored baselines on the hybrid families (GPT-OSS with sinks in every softmax they compute):
+    eviction in the global layers == full attention with exactly those entries masked."""
+    model = tiny_model(family, attn="eager", seed=4)
+    prompt = torch.randint(1, 96, (1, 24), generator=torch.Generator().manual_seed(5)).tolist()
+    log = VisibleLog(model)
+    try:
+        result = trikv.generate(model, _ByteTokenizer(), prompt, method=method, budget=40, divide_length=12,
+                                max_new_tokens=60, min_new_tokens=60, return_logits=True, **SMALL.get(method, {}))
+    finally:
+        log.close()
+    assert result.cache.rounds >= 3
+    assert result.cache.visible_positions().shape[0] == 2  # the two global layers of four
+    assert (result.cache.policy.sinks is not None) == (family == "gpt_oss")
+    reference = masked_reference_logits(model, torch.tensor(prompt), torch.ones(1, 24, dtype=torch.long), torch.tensor(result.tokens), log.visible)
+    torch.testing.assert_close(torch.stack(result.logits), reference, rtol=0, atol=2e-4)
+
+
 @pytest.mark.parametrize("method", ["h2o", "adakv", "pyramidkv", "rkv", "tova"])
 def test_left_padded_batch_equals_rows_alone(method):
     model = tiny_model("llama", attn="sdpa", seed=1)
@@ -191,10 +211,13 @@ def test_memory_after_rounds():
 # the query capture
 
 
-def test_captured_queries_reproduce_the_models_attention():
-    """Window probabilities from the recorded post-RoPE queries == the eager model's attention weights."""
-    model = tiny_model("qwen3", attn="eager")
+@pytest.mark.parametrize("family", ["qwen3", "gpt_oss"])
+def test_captured_queries_reproduce_the_models_attention(family):
+    """Window probabilities from the recorded post-RoPE queries == the eager model's attention weights (GPT-OSS:
+    its attention sinks in the denominator, so the keys' weights sum to less than 1; only its global layers)."""
+    model = tiny_model(family, attn="eager")
     cache = trikv.make_cache(model, "snapkv", budget=512, window_size=4)
+    sinks = cache.policy.sinks
     ids = torch.randint(1, 96, (1, 20), generator=torch.Generator().manual_seed(9))
     with torch.no_grad():
         out = model(input_ids=ids, **cache_kwargs(model, cache), output_attentions=True)
@@ -204,11 +227,15 @@ def test_captured_queries_reproduce_the_models_attention():
     n = cache.length
     queries, qpos = window.latest(2, cache.seen)  # the last prompt token and the decode token
     shape = cache.shape
-    for layers, probs in window_probabilities(queries, qpos, cache.store.keys[:, :, :, :n], cache.store.positions[:, :, :, :n], model.model.layers[0].self_attn.scaling, group="none"):
-        for layer in range(shape.num_layers):
+    assert (sinks is not None) == (family == "gpt_oss")
+    for layers, probs in window_probabilities(queries, qpos, cache.store.keys[:, :, :, :n], cache.store.positions[:, :, :, :n],
+                                              model.model.layers[0].self_attn.scaling, group="none", sinks=sinks):
+        for row, layer in enumerate(shape.cached_layers):
             expected_prompt = out.attentions[layer][0, :, -1, :]  # [Hq, 20]
             expected_step = step.attentions[layer][0, :, 0, :]  # [Hq, 21]
-            got = probs[layer, 0].reshape(shape.num_heads, 2, n)  # [Hkv, G, 2, N] -> [Hq, 2, N]
+            got = probs[row, 0].reshape(shape.num_heads, 2, n)  # [Hkv, G, 2, N] -> [Hq, 2, N]
+            if sinks is not None:
+                assert float(got[:, 1, :].sum(-1).min()) < 0.9  # the sink takes a real share of some head
             torch.testing.assert_close(got[:, 0, :20], expected_prompt, rtol=0, atol=1e-5)
             torch.testing.assert_close(got[:, 1, :], expected_step, rtol=0, atol=1e-5)
 

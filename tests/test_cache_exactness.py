@@ -13,7 +13,7 @@ from helpers import VisibleLog, masked_reference_logits, tiny_model
 from stats_fixtures import tiny_stats
 from trikv.compat import cache_kwargs
 
-FAMILIES = ["llama", "qwen2", "qwen3", "mistral"]
+FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gemma3_text", "gpt_oss"]
 
 
 def _generate(model, input_ids, cache, **kwargs):

@@ -43,6 +43,56 @@ def test_geometry_rotation_equals_model_rope(family, overrides):
         assert geometry.attention_scaling != 1.0  # the mscale is really read from the model
 
 
+@pytest.mark.parametrize("family", ["gemma3_text", "gpt_oss"])
+def test_hybrid_geometry_is_the_global_layers_own_rope(family):
+    """Gemma-3 rotates its global layers with their own base (1,000,000; sliding layers 10,000); GPT-OSS uses
+    YaRN with an attention scaling and its own `_apply_rotary_emb` (halves): the geometry trikv scores with
+    is exactly the rotation the model applies in its full-attention layers."""
+    model = tiny_model(family)
+    geometry = RopeGeometry.from_model(model)
+    rotary = model.model.rotary_emb
+    modeling = sys.modules[type(attention_modules(model)[0]).__module__]
+    positions = torch.tensor([[0, 1, 7, 100, 1000, 3000]])
+    x = torch.randn(1, 2, 6, geometry.head_dim)
+    if family == "gemma3_text":
+        cos, sin = rotary(x, positions, "full_attention")
+        local = RopeGeometry.from_model(model, layer_type="sliding_attention")
+        assert float(local.omega[1]) > float(geometry.omega[1])  # the local base is smaller: faster bands
+    else:
+        cos, sin = rotary(x, positions)
+        assert geometry.attention_scaling == pytest.approx(rotary.attention_scaling) and geometry.attention_scaling > 1.0
+    expected, _ = modeling.apply_rotary_pos_emb(x, x, cos, sin)
+    torch.testing.assert_close(geometry.rotate(x, positions[0]), expected, rtol=0, atol=3e-4)
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "gpt_oss"])
+def test_hybrid_calibration_covers_the_global_layers_and_says_so(family, tmp_path):
+    """Statistics of a hybrid model cover its full-attention layers (the ones a cache bounds), or every layer for
+    analysis; the file records which, and a file that misses a bounded layer is refused by name."""
+    model = tiny_model(family)
+    ids = torch.randint(1, 96, (200,), generator=torch.Generator().manual_seed(0))
+    stats = calibrate(model, ids, source="test", chunk_tokens=100, progress=False)
+    assert stats.layers == [1, 3] and stats.q_mean.shape[0] == 2
+    assert stats.metadata["layer_types"] == list(model.config.layer_types)
+    everything = calibrate(model, ids, source="test", chunk_tokens=100, progress=False, all_layers=True)
+    assert everything.layers == [0, 1, 2, 3]
+    torch.testing.assert_close(everything.rows([1, 3])[0], stats.q_mean)  # the same sums, row for row
+    collected = []
+    with capture_pre_rope(model, lambda layer, q, k: collected.append((layer, q.clone()))):
+        for chunk in ids.split(100):
+            model(input_ids=chunk[None])
+    layer3 = torch.cat([q for layer, q in collected if layer == 3], dim=2)
+    bands = RopeGeometry.from_model(model).to_complex(layer3.double())[0]
+    torch.testing.assert_close(stats.q_mean[1], bands.mean(1))
+    path = tmp_path / "stats.safetensors"
+    stats.save(path)
+    QueryStats.load(path).check_matches(model)
+    partial = QueryStats(stats.q_mean[:1], stats.q_abs_mean[:1], metadata=dict(stats.metadata, layers=[1]))
+    partial.save(path)
+    with pytest.raises(ValueError, match=r"cover layers \[1\] but the model's cache bounds layers \[1, 3\] \(missing \[3\]\)"):
+        QueryStats.load(path).check_matches(model)
+
+
 def test_interleaved_layout_pairs_adjacent_dimensions():
     geometry = RopeGeometry.build(torch.tensor([1.0, 0.1]), head_dim=4, layout="interleaved")
     x = torch.tensor([[1.0, 0.0, 0.0, 1.0]])
@@ -62,7 +112,7 @@ def test_partial_rotary_bands_do_not_rotate():
     torch.testing.assert_close(rotated[0, 4:], x[0, 4:])
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral", "gemma3_text", "gpt_oss"])
 def test_capture_sees_exact_pre_rope_query(family):
     """The captured q equals q_proj (+bias) (+q_norm for Qwen3) of the attention input, before rotation."""
     model = tiny_model(family)
@@ -86,7 +136,7 @@ def test_capture_sees_exact_pre_rope_query(family):
         expected_q = attn.q_norm(expected_q)
     torch.testing.assert_close(captured[1][0], expected_q.transpose(1, 2))
     assert sorted(captured) == list(range(model.config.num_hidden_layers))
-    if family == "qwen3":
+    if family in ("qwen3", "gemma3_text"):
         unnormed = attn.q_proj(hidden).view(shape).transpose(1, 2)
         assert (captured[1][0] - unnormed).abs().max() > 1e-3  # q_norm really matters
 

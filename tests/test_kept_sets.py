@@ -193,7 +193,22 @@ SMALL_WINDOW = {"triattention-window": {"window_size": 6}, "triattention-recent"
 
 @pytest.mark.parametrize("method", METHODS)
 def test_kept_sets_equal_an_independent_reference(method):
-    model = tiny_model("qwen2", seed=2)  # q/k biases, GQA 2:1
+    _check_kept_sets(tiny_model("qwen2", seed=2), method)  # q/k biases, GQA 2:1
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "gpt_oss"])
+@pytest.mark.parametrize("method", ["triattention", "triattention-dedup", "streaming", "knorm"])
+def test_hybrid_models_keep_the_reference_sets_in_their_global_layers(family, method):
+    """Gemma-3 (q/k norms, a RoPE base of its own for global layers) and GPT-OSS (YaRN with attention scaling,
+    sinks): the cache bounds the global layers only, each with the statistics and geometry of those layers,
+    and keeps exactly the reference's sets there."""
+    model = tiny_model(family, seed=2)
+    shape = trikv.architectures.model_shape(model)
+    assert shape.cached_layers == (1, 3)
+    _check_kept_sets(model, method)
+
+
+def _check_kept_sets(model, method):
     stats = tiny_stats(model)
     extra = SMALL_WINDOW.get(method, {})
     options = dict(REGISTRY[method].preset) | extra

@@ -232,6 +232,52 @@ def test_bf16_pages_and_selection(real_model, engines_dir, prompts):
         assert all(report["margins"][i] <= 0.25 for i in disagree), [report["margins"][i] for i in disagree]
 
 
+@pytest.fixture(scope="module")
+def hybrid_models(tmp_path_factory):
+    """Tiny Gemma-3 and GPT-OSS checkpoints (sliding windows of 8 around full-attention layers; GPT-OSS with
+    attention sinks and YaRN) that vLLM's CPU build serves, with TriAttention statistics of their global layers."""
+    from helpers import tiny_model
+    from trikv.calibration import calibrate
+
+    folder = tmp_path_factory.mktemp("hybrid")
+    models = {}
+    for family in ("gemma3_text", "gpt_oss"):
+        extra = {"query_pre_attn_scalar": 32} if family == "gemma3_text" else {}
+        model = tiny_model(family, hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                           vocab_size=256, intermediate_size=256, **extra)
+        model.save_pretrained(folder / family)
+        ids = torch.randint(1, 256, (512,), generator=torch.Generator().manual_seed(3))
+        stats = calibrate(model, ids, source="random tokens (test)", chunk_tokens=128, progress=False)
+        stats.save(folder / f"{family}.safetensors")
+        models[family] = (model, stats, folder)
+    return models
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "gpt_oss"])
+def test_hybrid_models_bound_their_global_layers_as_the_transformers_path_does(engines_dir, hybrid_models, family):
+    """vLLM runs a hybrid model with one full-attention KV cache group and sliding-window groups; trikv compacts
+    the full-attention group only (the sliding groups keep vLLM's window, here 8 tokens in blocks of 32): every
+    round keeps what trikv's transformers cache keeps in the global layers, the greedy tokens are the
+    transformers path's, and every block is back in the pool at the end."""
+    model, stats, folder = hybrid_models[family]
+    generator = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(1, 256, (n,), generator=generator).tolist() for n in (12, 40, 120)]
+    run = run_engine(engines_dir, f"hybrid-{family}", {
+        "model": str(folder / family), "dtype": "float32",
+        "trikv": {"method": "triattention", "budget": BUDGET, "divide_length": SLACK, "record_rounds": True,
+                  "stats": str(folder / f"{family}.safetensors")},
+        "engine": {"skip_tokenizer_init": True, "num_gpu_blocks_override": POOL},
+        "batches": [{"prompts": prompts, "max_tokens": NEW_TOKENS}]})
+    assert run["free_blocks_at_end"] == POOL - 1
+    for request in run["batches"][0]["requests"]:
+        rounds = _rounds_of(run, request["request_id"])
+        assert len(rounds) >= 3
+        assert all(len(r["kept_positions"]) == 2 for r in rounds)  # the two global layers of four
+        report = replay(model, "triattention", request, rounds, tie=1e-3, stats=stats)
+        assert report["tied_heads"] == 0
+        assert report["predictions"] == request["tokens"]
+
+
 def test_bounded_requests_fit_four_times_more(engines_dir, prompts):
     """A pool that holds k = 2 full-attention requests of 320 tokens runs 4k = 8 bounded requests at once
     (B = 32, beta = 32: a request never holds more than 2 blocks of 32), without preemption."""

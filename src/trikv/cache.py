@@ -10,6 +10,10 @@ in original order. The round runs in a forward pre-hook of the decoder, before t
 attention mask, so the mask sizes it reads (`get_mask_sizes`) are already those of the compressed cache.
 Positions stay logical: `get_seq_length()` counts every token seen, and RoPE uses it.
 
+Hybrid models (Gemma-3, GPT-OSS): the store and the policy cover the full-attention layers only
+(`ModelShape.cached_layers`); each sliding-window layer keeps transformers' own `DynamicSlidingWindowLayer`
+(its window, nothing scored), and its forwards use the stock attention and masks.
+
 Batches: each row follows its own schedule, exactly as if it were generated alone: a row is compressed
 when *its* live entries reach budget + divide_length. Rows share the physical length (the largest live
 count), so a row compressed earlier than the others holds dead slots (position -1) until the others
@@ -26,7 +30,7 @@ import weakref
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .architectures import ModelShape, decoder, model_shape
+from .architectures import ModelShape, UnsupportedModelError, attention_sinks, decoder, model_shape
 from .attention import park_attention_state, unclaimed_attention_state, use_trikv_attention
 from .compat import cache_argument
 from .policies import Policy, ScoringContext, make_policy
@@ -139,11 +143,18 @@ class CompressedCache(Cache):
         if layout not in (None, "uniform", "packed"):
             raise ValueError(f"layout must be 'uniform' or 'packed', got {layout!r}")
         self.shape: ModelShape = model_shape(model)
+        # model layer -> its index in the store (bounded layers); the other layers slide
+        self.store_index = {layer: index for index, layer in enumerate(self.shape.cached_layers)}
         if isinstance(policy, str):
             policy = make_policy(policy, **policy_options)
         elif policy_options:
             raise ValueError(f"policy options {sorted(policy_options)} given with a policy instance")
         self.policy = policy
+        if policy.compacts and attention_sinks(model) is not None:
+            raise UnsupportedModelError(
+                f"{policy.name} fits values and log-biases to the model's softmax, which on this model also holds "
+                "attention sinks (GPT-OSS); attention matching with sinks is not implemented: use an eviction method"
+            )
         if not policy.evicts:
             if budget is not None and budget is not DEFAULT_BUDGET:
                 raise ValueError(f"method {policy.name!r} keeps every entry and takes no budget (got budget={budget!r})")
@@ -176,22 +187,35 @@ class CompressedCache(Cache):
         policy.bind(model, self.shape)
         accelerate(policy)  # the fast TriAttention scorer (same scores, no per-element index copies)
         # post-RoPE queries of the last `policy.query_window` tokens, for attention scores
-        self.query_window = QueryWindow(policy.query_window, self.shape.num_layers) if policy.query_window > 0 else None
+        self.query_window = QueryWindow(policy.query_window, len(self.store_index)) if policy.query_window > 0 else None
         if self.query_window is not None:
             install_query_tap(model)
-        super().__init__(layers=[_LayerView(self, i) for i in range(self.shape.num_layers)])
+        super().__init__(layers=self._make_layers())
         attach(model)
         self._decoder = weakref.ref(decoder(model))  # the model this cache was made for
         self.max_positions = getattr(model.config, "max_position_embeddings", None)
         self._reset_state()
 
+    def _make_layers(self) -> list:
+        """transformers' per-layer view: trikv's bounded layers, and a stock sliding-window layer for each
+        sliding layer of a hybrid model."""
+        from transformers.cache_utils import DynamicSlidingWindowLayer
+
+        return [_LayerView(self, layer) if layer in self.store_index else DynamicSlidingWindowLayer(self.shape.sliding_window)
+                for layer in range(self.shape.num_layers)]
+
+    def sliding_layers(self) -> list:
+        """The stock sliding-window layers of a hybrid model (empty otherwise)."""
+        return [layer for index, layer in enumerate(self.layers) if index not in self.store_index]
+
     def _make_store(self, layout: str | None):
         shape, policy = self.shape, self.policy
+        num_layers = len(self.store_index)
         slot_state = policy.observes or policy.compacts or type(policy).after_round is not Policy.after_round
         if layout is None:  # per-layer / per-head budgets store only the entries each (layer, head) keeps
             layout = "packed" if self.budget is not None and policy.variable_budgets and not slot_state else "uniform"
         if layout == "uniform":
-            return UniformStore(shape.num_layers, shape.num_kv_heads, shape.head_dim, with_biases=policy.compacts)
+            return UniformStore(num_layers, shape.num_kv_heads, shape.head_dim, with_biases=policy.compacts)
         if self.budget is None:
             raise ValueError("the packed layout is for evicting caches; give a budget")
         if slot_state:
@@ -199,7 +223,7 @@ class CompressedCache(Cache):
                 f"{policy.name} keeps per-slot state (observe / after_round / compact), which the packed layout "
                 "does not carry; use layout='uniform'"
             )
-        return PackedStore(shape.num_layers, shape.num_kv_heads, shape.head_dim, self.divide_length)
+        return PackedStore(num_layers, shape.num_kv_heads, shape.head_dim, self.divide_length)
 
     # ---- state --------------------------------------------------------------------------------
     def _reset_state(self) -> None:
@@ -221,6 +245,8 @@ class CompressedCache(Cache):
         if getattr(self, "query_window", None) is not None:
             self.query_window.reset()
         self.policy.reset()
+        if getattr(self, "layers", None):
+            self.layers = self._make_layers()  # fresh sliding-window layers
 
     def reset(self):
         """Forget every token: the cache can serve a new, unrelated generation."""
@@ -258,12 +284,12 @@ class CompressedCache(Cache):
         return self.store.peak_length
 
     def stored_keys(self, layer: int) -> torch.Tensor | None:
-        """Keys of one layer as attention sees them: [b, Hkv, P, D] (uniform), [b, 1, S, D] (packed); None before
-        the first forward."""
-        return self.store.stored_keys(layer)
+        """Keys of one bounded model layer as attention sees them: [b, Hkv, P, D] (uniform), [b, 1, S, D]
+        (packed); None before the first forward."""
+        return self.store.stored_keys(self.store_index[layer])
 
     def stored_values(self, layer: int) -> torch.Tensor | None:
-        return self.store.stored_values(layer)
+        return self.store.stored_values(self.store_index[layer])
 
     def visible_positions(self) -> torch.Tensor:
         """[L, b, Hkv, P] long: RoPE position of every stored entry per (layer, row, KV head), -1 = dead slot."""
@@ -277,17 +303,23 @@ class CompressedCache(Cache):
         """Entries per (layer, row, KV head) (packed: mean over layers and heads)."""
         return self.store.entries()
 
+    def sliding_bytes(self) -> int:
+        """Bytes of K/V the sliding-window layers of a hybrid model hold (each at most its window)."""
+        return sum(layer.keys.numel() * layer.keys.element_size() * 2 for layer in self.sliding_layers()
+                   if getattr(layer, "is_initialized", False))
+
     def memory_bytes(self) -> int:
-        """Bytes of K/V that are live (entries x layers x rows x heads x head_dim x 2 x element size)."""
-        return self.store.memory_bytes()
+        """Bytes of K/V that are live (entries x layers x rows x heads x head_dim x 2 x element size), the
+        sliding-window layers of a hybrid model included."""
+        return self.store.memory_bytes() + self.sliding_bytes()
 
     def peak_memory_bytes(self) -> int:
-        """Largest `memory_bytes()` so far."""
-        return self.store.peak_memory_bytes()
+        """Largest `memory_bytes()` so far (a sliding layer only grows, up to its window)."""
+        return self.store.peak_memory_bytes() + self.sliding_bytes()
 
     def allocated_bytes(self) -> int:
         """Bytes the K/V buffers occupy, spare slots included."""
-        return self.store.allocated_bytes()
+        return self.store.allocated_bytes() + self.sliding_bytes()
 
     def _target_capacity(self) -> int | None:
         """Slots per (layer, row, KV head) the next round needs (None: unbounded, the buffers double)."""
@@ -305,6 +337,8 @@ class CompressedCache(Cache):
         return -1
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        if layer_idx not in self.store_index:  # a sliding layer sizes its own window
+            return self.layers[layer_idx].get_mask_sizes(query_length)
         # stored slots map to mask columns [seen - P, seen), new tokens to [seen, seen + q)
         return self.length + query_length, self.seen - self.length
 
@@ -344,9 +378,14 @@ class CompressedCache(Cache):
         # key_states: [b, Hkv, q, D] post-RoPE
         if layer_idx == 0:
             self._begin_forward(key_states)
-        stored_keys, stored_values, state = self.store.append(layer_idx, key_states, value_states)
+        index = self.store_index.get(layer_idx)
+        if index is None:  # a sliding layer of a hybrid model: transformers' own window, stock attention
+            if self.query_window is not None:
+                take_query()  # its query is not recorded
+            return self.layers[layer_idx].update(key_states, value_states)
+        stored_keys, stored_values, state = self.store.append(index, key_states, value_states)
         if self.query_window is not None:
-            self._record_queries(layer_idx, key_states.shape[-2], stored_keys.shape[-2])
+            self._record_queries(index, key_states.shape[-2], stored_keys.shape[-2])
         attention_kwargs = kwargs.get("kwargs")
         if attention_kwargs is not None:  # read by trikv_sdpa / trikv_eager / the lean engine
             attention_kwargs.update(state)
@@ -504,6 +543,9 @@ class CompressedCache(Cache):
             return
         index = index.to(self.device)
         self.store.select_rows(index)
+        for layer in self.sliding_layers():
+            if getattr(layer, "is_initialized", False):
+                layer.reorder_cache(index)
         if self.tokens is not None:
             self.tokens = self.tokens.index_select(0, index.to(self.tokens.device))
         if self.pad_lengths is not None:

@@ -97,6 +97,20 @@ class QueryStats:
         """R_f = |mu_f| / A_f, [L, Hq, F] (0 where a band never fired)."""
         return torch.where(self.q_abs_mean > 0, self.q_mean.abs() / self.q_abs_mean.clamp_min(1e-30), 0.0)
 
+    @property
+    def layers(self) -> list[int]:
+        """The model layers these statistics cover, in row order (all layers unless the file names them)."""
+        return list(self.metadata.get("layers", range(self.q_mean.shape[0])))
+
+    def rows(self, layers) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mu, A) [len(layers), Hq, F] of the given model layers."""
+        index = {layer: row for row, layer in enumerate(self.layers)}
+        missing = [layer for layer in layers if layer not in index]
+        if missing:
+            raise StatsFileError(f"the statistics cover layers {self.layers}, not layer(s) {missing}")
+        rows = torch.tensor([index[layer] for layer in layers], dtype=torch.long)
+        return self.q_mean.index_select(0, rows), self.q_abs_mean.index_select(0, rows)
+
     def head_concentration(self) -> torch.Tensor:
         """Mean R over bands per (layer, query head), [L, Hq]."""
         return self.concentration.mean(-1)
@@ -154,7 +168,10 @@ class QueryStats:
         missing = [key for key in SHAPE_KEYS + ("rope_checksum",) if key not in metadata]
         if missing:
             raise StatsFileError(f"{path}: metadata lacks {missing}; was it written by `trikv calibrate`?")
-        expected = (metadata["num_layers"], metadata["num_heads"], metadata["head_dim"] // 2)
+        covered = metadata.get("layers", list(range(metadata["num_layers"])))
+        if not isinstance(covered, list) or not covered or any(not isinstance(x, int) or not 0 <= x < metadata["num_layers"] for x in covered):
+            raise StatsFileError(f"{path}: metadata 'layers' must list layer indices below {metadata['num_layers']}, got {covered!r}")
+        expected = (len(covered), metadata["num_heads"], metadata["head_dim"] // 2)
         for name in _TENSORS:
             if tuple(tensors[name].shape) != expected:
                 raise StatsFileError(f"{path}: tensor {name} has shape {tuple(tensors[name].shape)}, metadata says {expected}")
@@ -184,12 +201,20 @@ class QueryStats:
         carry one)."""
         meta = self.metadata
         expected = {**shape_metadata(shape), "rope_checksum": geometry.checksum()}
+        if shape.layer_types is not None or "layer_types" in meta:
+            expected["layer_types"] = list(shape.layer_types) if shape.layer_types is not None else None
         for key, value in expected.items():
             if meta.get(key) != value:
                 raise StatsFileError(
                     f"{source} do not match the model: {key} is {meta.get(key)!r} in the stats "
                     f"(calibrated on {meta.get('model_name', '?')}) but {value!r} in the model"
                 )
+        missing = sorted(set(shape.cached_layers) - set(self.layers))
+        if missing:
+            raise StatsFileError(
+                f"{source} cover layers {self.layers} but the model's cache bounds layers {list(shape.cached_layers)} "
+                f"(missing {missing}); recalibrate with `trikv calibrate`"
+            )
         expected_signature = meta.get("weight_signature")
         if expected_signature is None:
             log.warning("%s carry no weight signature (written by an older trikv?): checked against the model's shape "
@@ -206,17 +231,23 @@ class QueryStats:
 class StatsAccumulator:
     """Streaming float64 sums of pre-RoPE q (and k) bands per layer and head."""
 
-    def __init__(self, shape: ModelShape, geometry: RopeGeometry):
+    def __init__(self, shape: ModelShape, geometry: RopeGeometry, layers=None):
         F = shape.head_dim // 2
         self.shape, self.geometry = shape, geometry
-        self.q_sum = torch.zeros(shape.num_layers, shape.num_heads, F, dtype=torch.complex128)
-        self.q_abs_sum = torch.zeros(shape.num_layers, shape.num_heads, F, dtype=torch.float64)
-        self.k_sum = torch.zeros(shape.num_layers, shape.num_kv_heads, F, dtype=torch.complex128)
-        self.k_abs_sum = torch.zeros(shape.num_layers, shape.num_kv_heads, F, dtype=torch.float64)
-        self.tokens_per_layer = torch.zeros(shape.num_layers, dtype=torch.long)
+        self.layers = list(range(shape.num_layers) if layers is None else layers)
+        self.row_of = {layer: row for row, layer in enumerate(self.layers)}
+        L = len(self.layers)
+        self.q_sum = torch.zeros(L, shape.num_heads, F, dtype=torch.complex128)
+        self.q_abs_sum = torch.zeros(L, shape.num_heads, F, dtype=torch.float64)
+        self.k_sum = torch.zeros(L, shape.num_kv_heads, F, dtype=torch.complex128)
+        self.k_abs_sum = torch.zeros(L, shape.num_kv_heads, F, dtype=torch.float64)
+        self.tokens_per_layer = torch.zeros(L, dtype=torch.long)
 
     def add(self, layer: int, q: torch.Tensor, k: torch.Tensor) -> None:
-        # q: [b, Hq, n, D], k: [b, Hkv, n, D]
+        # q: [b, Hq, n, D], k: [b, Hkv, n, D]; layers the statistics do not cover are skipped
+        if layer not in self.row_of:
+            return
+        layer = self.row_of[layer]
         q_bands = self.geometry.to_complex(q.detach().double().cpu())  # [b, Hq, n, F]
         k_bands = self.geometry.to_complex(k.detach().double().cpu())
         self.q_sum[layer] += q_bands.sum(dim=(0, 2))
@@ -236,10 +267,15 @@ class StatsAccumulator:
         )
 
 
-def stats_metadata(model: torch.nn.Module, token_count: int, source: str, model_name: str | None = None) -> dict:
+def stats_metadata(model: torch.nn.Module, token_count: int, source: str, model_name: str | None = None,
+                   layers=None) -> dict:
     shape = model_shape(model)
     geometry = RopeGeometry.from_model(model)
+    hybrid = {} if shape.layer_types is None else {"layer_types": list(shape.layer_types)}
+    covered = {} if layers is None or list(layers) == list(range(shape.num_layers)) else {"layers": list(layers)}
     return {
+        **hybrid,
+        **covered,
         "format": STATS_FORMAT,
         "model_name": model_name or getattr(model, "trikv_name", None) or getattr(model.config, "_name_or_path", "?"),
         **shape_metadata(shape),
@@ -261,8 +297,12 @@ def calibrate(
     chunk_tokens: int = 2048,
     progress: bool = True,
     model_name: str | None = None,
+    all_layers: bool = False,
 ) -> QueryStats:
-    """Stream `token_ids` [n] through the model in independent chunks and return its query statistics."""
+    """Stream `token_ids` [n] through the model in independent chunks and return its query statistics.
+
+    The statistics cover the layers a trikv cache bounds (every layer; a hybrid model's full-attention layers),
+    or every layer with `all_layers` (for analysis); the file records which (`metadata["layers"]`)."""
     from tqdm.auto import tqdm
 
     shape = model_shape(model)
@@ -275,13 +315,14 @@ def calibrate(
     if token_ids.numel() < MIN_CALIBRATION_TOKENS:
         log.warning("calibrating on %d tokens only: the statistics will be noisy (use at least %d; a few thousand "
                     "tokens of any text are enough)", token_ids.numel(), MIN_CALIBRATION_TOKENS)
-    accumulator = StatsAccumulator(shape, geometry)
+    layers = list(range(shape.num_layers)) if all_layers else list(shape.cached_layers)
+    accumulator = StatsAccumulator(shape, geometry, layers)
     device = next(model.parameters()).device
     chunks = list(token_ids.split(chunk_tokens))
     with capture_pre_rope(model, accumulator.add):
         for chunk in tqdm(chunks, desc="calibrating", unit="chunk", disable=not progress):
             model(input_ids=chunk[None].to(device), use_cache=False)
-    metadata = stats_metadata(model, int(token_ids.numel()), source, model_name)
+    metadata = stats_metadata(model, int(token_ids.numel()), source, model_name, layers)
     return accumulator.finish(metadata)
 
 

@@ -17,6 +17,9 @@ def _add_calibrate(sub) -> None:
     p.add_argument("--max-tokens", type=int, default=50_000, help="use at most this many tokens (default 50000)")
     p.add_argument("--chunk-tokens", type=int, default=2048, help="tokens per forward pass (default 2048)")
     p.add_argument("--source", help="description of the text stored in the metadata (default: the file name)")
+    p.add_argument("--all-layers", action="store_true",
+                   help="cover every layer (for analysis); by default a hybrid model's statistics cover the "
+                        "full-attention layers its cache bounds")
     p.set_defaults(func=cmd_calibrate)
 
 
@@ -41,11 +44,13 @@ def cmd_calibrate(args) -> int:
     model, tokenizer = load_model(args.model)
     ids = tokenizer(text, return_tensors="pt").input_ids[0][: args.max_tokens]
     started = time.perf_counter()
-    stats = calibrate(model, ids, source=args.source or text_path.name, chunk_tokens=args.chunk_tokens, model_name=args.model)
+    stats = calibrate(model, ids, source=args.source or text_path.name, chunk_tokens=args.chunk_tokens, model_name=args.model,
+                      all_layers=args.all_layers)
     elapsed = time.perf_counter() - started
     stats.save(args.out)
     summary = stats.summary()
-    print(f"calibrated {args.model} on {summary['tokens']} tokens in {elapsed:.1f} s -> {args.out}")
+    covered = "" if len(stats.layers) == model.config.num_hidden_layers else f" (layers {stats.layers}: the ones the cache bounds)"
+    print(f"calibrated {args.model} on {summary['tokens']} tokens in {elapsed:.1f} s -> {args.out}{covered}")
     print(
         f"concentration over {summary['heads']} (layer, query head) pairs: mean R = {summary['mean_R']:.3f}, "
         f"R > 0.9: {summary['share_R_gt_0.9']:.1%}, R > 0.95: {summary['share_R_gt_0.95']:.1%}"

@@ -17,10 +17,22 @@ from dataclasses import dataclass
 
 import torch
 
-from .architectures import UnsupportedModelError, config_shape, model_shape, rotary_from_config, rotary_module
+from .architectures import FULL_ATTENTION, UnsupportedModelError, config_shape, model_shape, rotary_from_config, rotary_module
 
 # RoPE types whose frequencies depend on the current sequence length (transformers recomputes them on the fly)
 DYNAMIC_ROPE_TYPES = ("dynamic", "longrope")
+
+
+def layer_frequencies(rotary: torch.nn.Module, layer_type: str = FULL_ATTENTION) -> tuple[torch.Tensor, float]:
+    """(inv_freq, attention_scaling) of `layer_type`: the module's `<layer_type>_inv_freq` where it keeps one per
+    layer type (Gemma-3), else its single `inv_freq`."""
+    for prefix in (f"{layer_type}_", ""):
+        inv_freq = getattr(rotary, f"{prefix}original_inv_freq", None)
+        if inv_freq is None:
+            inv_freq = getattr(rotary, f"{prefix}inv_freq", None)
+        if inv_freq is not None:
+            return inv_freq, float(getattr(rotary, f"{prefix}attention_scaling", getattr(rotary, "attention_scaling", 1.0)))
+    raise UnsupportedModelError(f"the rotary embedding has no inverse frequencies for layer type {layer_type!r}")
 
 
 @dataclass
@@ -55,26 +67,29 @@ class RopeGeometry:
         return cls(omega, real, imag, float(attention_scaling), layout, head_dim)
 
     @classmethod
-    def from_model(cls, model: torch.nn.Module) -> "RopeGeometry":
-        """Frequencies and scaling read from the instantiated rotary module, layout from the model family."""
-        return cls.from_rotary(rotary_module(model), model_shape(model))
+    def from_model(cls, model: torch.nn.Module, layer_type: str = FULL_ATTENTION) -> "RopeGeometry":
+        """Frequencies and scaling read from the instantiated rotary module, layout from the model family.
+        Models with one RoPE per layer type (Gemma-3: base 10,000 for sliding layers, 1,000,000 for global
+        ones) give the geometry of `layer_type`, by default that of the full-attention layers trikv bounds."""
+        return cls.from_rotary(rotary_module(model), model_shape(model), layer_type)
 
     @classmethod
-    def from_config(cls, config) -> "RopeGeometry":
+    def from_config(cls, config, layer_type: str = FULL_ATTENTION) -> "RopeGeometry":
         """The geometry a transformers model of `config` has, without building the model."""
-        return cls.from_rotary(rotary_from_config(config), config_shape(config))
+        return cls.from_rotary(rotary_from_config(config), config_shape(config), layer_type)
 
     @classmethod
-    def from_rotary(cls, rotary: torch.nn.Module, shape) -> "RopeGeometry":
+    def from_rotary(cls, rotary: torch.nn.Module, shape, layer_type: str = FULL_ATTENTION) -> "RopeGeometry":
         rope_type = getattr(rotary, "rope_type", "default")
+        if isinstance(rope_type, dict):  # one RoPE per layer type
+            rope_type = rope_type.get(layer_type, "default")
         if rope_type in DYNAMIC_ROPE_TYPES:
             raise UnsupportedModelError(
                 f"RoPE type {rope_type!r} changes its frequencies with the sequence length, so keys cached before a "
                 f"change no longer match the scoring geometry; trikv supports static RoPE types (default, linear, "
                 f"llama3, yarn, ...), not {', '.join(DYNAMIC_ROPE_TYPES)}"
             )
-        inv_freq = rotary.inv_freq
-        scaling = float(getattr(rotary, "attention_scaling", 1.0))
+        inv_freq, scaling = layer_frequencies(rotary, layer_type)
         return cls.build(inv_freq, shape.head_dim, shape.layout, scaling)
 
     def to_bands(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

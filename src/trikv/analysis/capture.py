@@ -23,10 +23,10 @@ from ..architectures import (
     modeling_module,
     rotary_module,
 )
-from ..geometry import RopeGeometry
+from ..geometry import RopeGeometry, layer_frequencies
 
 # Families whose q/k the analysis can read (band layout of each). A superset of what the cache supports.
-ANALYSIS_FAMILIES: dict[str, str] = {**SUPPORTED_FAMILIES, "gemma3_text": "half"}
+ANALYSIS_FAMILIES: dict[str, str] = dict(SUPPORTED_FAMILIES)
 
 
 @dataclass
@@ -55,16 +55,6 @@ class AnalysisShape:
     def rope_bases(self) -> list[str]:
         """Human-readable description of each layer's RoPE (type and slowest/fastest frequency)."""
         return [f"{t}: omega {float(g.omega.max()):.3g}..{float(g.omega[g.omega > 0].min()):.3g}" for t, g in zip(self.layer_types, self.geometries)]
-
-
-def _layer_inv_freq(rotary: torch.nn.Module, layer_type: str) -> tuple[torch.Tensor, float]:
-    for prefix in (f"{layer_type}_", ""):
-        inv_freq = getattr(rotary, f"{prefix}original_inv_freq", None)
-        if inv_freq is None:
-            inv_freq = getattr(rotary, f"{prefix}inv_freq", None)
-        if inv_freq is not None:
-            return inv_freq, float(getattr(rotary, f"{prefix}attention_scaling", getattr(rotary, "attention_scaling", 1.0)))
-    raise UnsupportedModelError(f"the rotary embedding has no inverse frequencies for layer type {layer_type!r}")
 
 
 def analysis_shape(model: torch.nn.Module) -> AnalysisShape:
@@ -96,7 +86,7 @@ def analysis_shape(model: torch.nn.Module) -> AnalysisShape:
     for layer, attn in enumerate(attns):
         kind = layer_types[layer]
         if kind not in cache:
-            inv_freq, attention_scaling = _layer_inv_freq(rotary, kind)
+            inv_freq, attention_scaling = layer_frequencies(rotary, kind)
             cache[kind] = RopeGeometry.build(inv_freq, head_dim, layout, attention_scaling)
         geometries.append(cache[kind])
         scaling.append(float(getattr(attn, "scaling", head_dim**-0.5)))

@@ -106,9 +106,32 @@ def _stability_table(result: dict) -> list[str]:
     return lines
 
 
+def _layer_type_table(result: dict) -> list[str]:
+    """Hybrid models: concentration and reconstruction of the full-attention and sliding-window layers apart."""
+    rows = [(name, kind, figures) for name, data in result["texts"].items() for kind, figures in data.get("by_layer_type", {}).items()]
+    if not rows:
+        return []
+    lines = [
+        "| text | layer type | layers | Q R>0.9 (w / plain) | mean Q R (w / plain) | mean K R (w) | mean r | r > 0.5 | per-query mean r |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, kind, f in rows:
+        lines.append(
+            f"| {name} | {kind} | {len(f['layers'])} | {_pct(f['q_weighted']['share_gt_0.9'])} / {_pct(f['q_plain']['share_gt_0.9'])} "
+            f"| {_num(f['q_weighted']['mean'])} / {_num(f['q_plain']['mean'])} | {_num(f['k_weighted']['mean'])} "
+            f"| {_num(f['reconstruction']['mean_r'], 2)} | {_pct(f['reconstruction']['share_r_gt_0.5'])} "
+            f"| {_num((f.get('per_query') or {}).get('mean_r'), 2)} |"
+        )
+    return lines
+
+
 def summary_lines(result: dict) -> list[str]:
     """The tables shared by the per-run report and the project docs."""
-    return ["**Per text**", "", *_summary_table(result), "", *(["**Stability across texts**", "", *_stability_table(result), ""] if result["stability"]["pairs"] else [])]
+    by_type = _layer_type_table(result)
+    return ["**Per text**", "", *_summary_table(result), "",
+            *(["**Full-attention vs sliding-window layers** (sliding layers judged at distances inside their window)", "",
+               *by_type, ""] if by_type else []),
+            *(["**Stability across texts**", "", *_stability_table(result), ""] if result["stability"]["pairs"] else [])]
 
 
 def write_report(result: dict, plots: dict[str, str], out_dir: str | Path) -> Path:

@@ -13,7 +13,7 @@ import torch
 from .. import __version__
 from ..architectures import shape_metadata
 from .capture import AnalysisShape, analysis_shape
-from .concentration import concentration, concentration_summary
+from .concentration import concentration, concentration_summary, distribution_summary
 from .measure import TextStats, log_distances, make_chunks, measure_chunks, sample_head_vectors
 from .reconstruction import correlation_summary, distance_mask, pearson, predicted_for_model
 from .stability import compare_texts
@@ -72,8 +72,22 @@ def _text_result(shape: AnalysisShape, stats: TextStats, distances: torch.Tensor
             "per_query_r": per_query_r,
             "queries_per_head": int(stats.query_logits.shape[2]),
         }
+    by_layer_type = {}
+    kinds = list(dict.fromkeys(shape.layer_types))
+    if len(kinds) > 1:  # hybrid models: global and sliding layers side by side
+        for kind in kinds:
+            rows = torch.tensor([i for i, k in enumerate(shape.layer_types) if k == kind])
+            by_layer_type[kind] = {
+                "layers": rows.tolist(),
+                "q_weighted": distribution_summary(figures["q_head_R_weighted"][rows]),
+                "q_plain": distribution_summary(figures["q_head_R_plain"][rows]),
+                "k_weighted": distribution_summary(figures["k_head_R_weighted"][rows]),
+                "reconstruction": correlation_summary(r[rows]),
+                **({"per_query": correlation_summary(reconstruction_extra["per_query_r"][rows])} if reconstruction_extra else {}),
+            }
     result = {
         "tokens": stats.tokens,
+        "by_layer_type": by_layer_type,
         "concentration": {
             "summary": concentration_summary(figures),
             **{k: v for k, v in figures.items()},

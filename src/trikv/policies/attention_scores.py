@@ -13,7 +13,7 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
-from ..architectures import ModelShape, attention_modules
+from ..architectures import ModelShape, attention_modules, attention_sinks
 from .base import Policy
 
 # logits of at most this many elements are materialised at once (chunks of layers / queries)
@@ -53,10 +53,24 @@ def visibility(query_positions: torch.Tensor, key_positions: torch.Tensor) -> to
     return (k >= 0) & (q >= 0) & (k <= q)
 
 
-def masked_softmax(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Softmax over the last axis restricted to `mask`; exactly 0 off the mask and on fully masked rows."""
+def masked_softmax(logits: torch.Tensor, mask: torch.Tensor, sink: torch.Tensor | None = None) -> torch.Tensor:
+    """Softmax over the last axis restricted to `mask`; exactly 0 off the mask and on fully masked rows.
+
+    sink: a logit (broadcastable to logits[..., :1]) added to the denominator and dropped, as GPT-OSS's
+    attention sinks are: the probabilities of the keys then sum to less than 1."""
     logits = logits.masked_fill(~mask, torch.finfo(logits.dtype).min)
-    return torch.softmax(logits, dim=-1) * mask
+    if sink is None:
+        return torch.softmax(logits, dim=-1) * mask
+    sink = sink.to(logits.dtype).expand(*logits.shape[:-1], 1)
+    return torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1)[..., :-1] * mask
+
+
+def group_sinks(sinks: torch.Tensor | None, num_kv_heads: int) -> torch.Tensor | None:
+    """Sink logits [l, Hq] as [l, 1, Hkv, G, 1, 1], to broadcast against grouped logits."""
+    if sinks is None:
+        return None
+    l, Hq = sinks.shape
+    return sinks.view(l, 1, num_kv_heads, Hq // num_kv_heads, 1, 1)
 
 
 def window_probabilities(
@@ -67,6 +81,7 @@ def window_probabilities(
     scaling: float,
     key_mask: torch.Tensor | None = None,
     group: str = "sum",
+    sinks: torch.Tensor | None = None,
 ) -> Iterator[tuple[slice, torch.Tensor]]:
     """Attention probabilities of the window queries over the cached keys, per layer chunk.
 
@@ -75,20 +90,23 @@ def window_probabilities(
       "none"      -> [l, b, Hkv, G, w, N] per query head;
       "sum"/"mean"-> probabilities summed / averaged over the group, [l, b, Hkv, w, N];
       "max_logit" -> one softmax of the max over the group of the logits (R-KV, TriAttention's SnapKV port).
+    `sinks` [L, Hq]: the model's attention-sink logits (GPT-OSS), added to every softmax denominator ("max_logit"
+    takes the group's largest sink, as it takes the group's largest logit).
     Yields (layer slice, probabilities); queries and keys of padding/empty slots give zero rows.
     """
     L, b, Hq, w, D = queries.shape
-    N = keys.shape[3]
+    Hkv, N = keys.shape[2], keys.shape[3]
     for layers in layer_chunks(L, b * Hq * w * N):
         logits = grouped_logits(queries[layers], keys[layers], scaling)
         mask = visibility(query_positions, key_positions[layers])
         if key_mask is not None:
             mask = mask & key_mask[layers][:, :, :, None, None, :]
+        sink = group_sinks(None if sinks is None else sinks[layers].to(logits.device), Hkv)  # [l, 1, Hkv, G, 1, 1]
         if group == "max_logit":
             masked = logits.masked_fill(~mask, torch.finfo(logits.dtype).min).amax(3)
-            probs = masked_softmax(masked, mask.squeeze(3))
+            probs = masked_softmax(masked, mask.squeeze(3), None if sink is None else sink.amax(3))
         else:
-            probs = masked_softmax(logits, mask)
+            probs = masked_softmax(logits, mask, sink)
             if group == "sum":
                 probs = probs.sum(3)
             elif group == "mean":
@@ -158,6 +176,7 @@ class QueryAttentionPolicy(Policy):
     """
 
     rank_heads_jointly = False
+    sinks = None  # [L, Hq] attention-sink logits of the bounded layers (GPT-OSS), set by `bind`
 
     def importance(self, context) -> torch.Tensor:
         raise NotImplementedError
@@ -169,6 +188,8 @@ class QueryAttentionPolicy(Policy):
     def bind(self, model: torch.nn.Module, shape: ModelShape) -> None:
         self.shape = shape
         self.scaling = attention_scaling(model, shape.head_dim)
+        # GPT-OSS's attention sinks of the bounded layers: in every softmax denominator the method computes
+        self.sinks = attention_sinks(model, shape.cached_layers)
 
     def _scheduled(self, divide_length: int, paper_divide_length: int) -> int:
         """The slack of the chosen schedule: "shared" (the cache's, the default) or "paper"."""

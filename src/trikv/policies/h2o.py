@@ -67,7 +67,8 @@ class H2O(SlotStatePolicy):
         for part in query_chunks(n, context.queries.shape[0] * b * Hq * N):
             queries = context.queries[:, :, :, part]
             for layers, probs in window_probabilities(
-                queries, context.query_positions[:, part], context.keys, key_positions, self.scaling, group="sum"
+                queries, context.query_positions[:, part], context.keys, key_positions, self.scaling, group="sum",
+                sinks=None if self.sinks is None else self.sinks[context.layers],
             ):
                 accumulated[layers] += probs.sum(3)
 

@@ -86,7 +86,7 @@ class TriAttentionAM(TriAttention):
         self.shape = shape
         self.scaling = attention_scaling(model, shape.head_dim)
         self.sampler = None if self.samples == 0 else StatsQuerySampler(
-            self.stats.q_mean, self.stats.q_abs_mean, RopeGeometry.from_model(model), shape.num_kv_heads,
+            *self.stats.rows(shape.cached_layers), RopeGeometry.from_model(model), shape.num_kv_heads,
             offset_values(self.max_offset, self.offset_spacing), samples=self.samples, seed=self.seed,
         )
 

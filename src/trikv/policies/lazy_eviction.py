@@ -73,7 +73,8 @@ class LazyEviction(SlotStatePolicy):
             query_positions = context.query_positions[:, i : i + 1]
             t = query_positions.float()[None, :, None, :]  # [1, b, 1, 1]
             for layers, probs in window_probabilities(
-                context.queries[:, :, :, i : i + 1], query_positions, context.keys, key_positions, self.scaling, group="none"
+                context.queries[:, :, :, i : i + 1], query_positions, context.keys, key_positions, self.scaling, group="none",
+                sinks=None if self.sinks is None else self.sinks[context.layers],
             ):
                 hit = probs[:, :, :, :, 0].amax(3) >= self.alpha  # [l, b, Hkv, N]
                 gap = t - last[layers]

@@ -52,7 +52,8 @@ class RaaS(SlotStatePolicy):
             query_positions = context.query_positions[:, i : i + 1]
             t = query_positions.float()[None, :, None, :]
             for layers, probs in window_probabilities(
-                context.queries[:, :, :, i : i + 1], query_positions, context.keys, key_positions, self.scaling, group="none"
+                context.queries[:, :, :, i : i + 1], query_positions, context.keys, key_positions, self.scaling, group="none",
+                sinks=None if self.sinks is None else self.sinks[context.layers],
             ):
                 hit = probs[:, :, :, :, 0].amax(3) >= self.alpha
                 stamp[layers] = torch.where(hit, t.expand_as(stamp[layers]), stamp[layers])

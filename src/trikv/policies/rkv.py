@@ -78,6 +78,7 @@ class RKV(ObservationWindowPolicy):
 
     def importance(self, context: ScoringContext) -> torch.Tensor:
         self._require_queries(context)
-        importance = window_importance(context, self.scaling, self.window_size, self.kernel_size, "max", "max_logit", "non_window")
+        importance = window_importance(context, self.scaling, self.window_size, self.kernel_size, "max", "max_logit", "non_window",
+                                       sinks=self.sinks)
         redundant = redundancy(context.keys, context.positions, self.similarity_threshold)
         return self.mix_lambda * importance - (1.0 - self.mix_lambda) * redundant

@@ -58,7 +58,8 @@ class RPC(QueryAttentionPolicy):
         region = context.candidates
         scores = torch.zeros(L, b, Hkv, N, dtype=torch.float32, device=context.positions.device)
         for layers, probs in window_probabilities(
-            context.queries, context.query_positions, context.keys, context.positions, self.scaling, region, group="none"
+            context.queries, context.query_positions, context.keys, context.positions, self.scaling, region, group="none",
+            sinks=self.sinks,
         ):
             summed = probs.sum(4)  # over the R selector queries: [l, b, Hkv, G, N]
             if self.aggregation == "all":

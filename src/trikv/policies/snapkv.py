@@ -20,6 +20,7 @@ def window_importance(
     pooling: str,
     group_aggregation: str,
     softmax_scope: str,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """[L, b, Hkv, N]: pooled mean attention of the window queries on each key (SnapKV / R-KV importance).
 
@@ -41,7 +42,8 @@ def window_importance(
     queries_seen = (context.query_positions >= 0).sum(-1).clamp_min(1).float()  # [b]
     importance = torch.zeros(positions.shape, dtype=torch.float32, device=positions.device)
     for layers, probs in window_probabilities(
-        context.queries, context.query_positions, context.keys, positions, scaling, key_mask, GROUP_RULES[group_aggregation]
+        context.queries, context.query_positions, context.keys, positions, scaling, key_mask, GROUP_RULES[group_aggregation],
+        sinks=sinks,
     ):
         importance[layers] = probs.sum(3) / queries_seen[None, :, None, None]  # mean over the window queries
     # pooling runs over the non-window keys only (the window's columns act as the zero padding at the end)
@@ -76,7 +78,8 @@ class SnapKV(ObservationWindowPolicy):
     def importance(self, context: ScoringContext) -> torch.Tensor:
         self._require_queries(context)
         return window_importance(
-            context, self.scaling, self.window_size, self.kernel_size, self.pooling, self.group_aggregation, self.softmax_scope
+            context, self.scaling, self.window_size, self.kernel_size, self.pooling, self.group_aggregation, self.softmax_scope,
+            sinks=self.sinks,
         )
 
 

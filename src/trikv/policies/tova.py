@@ -42,6 +42,7 @@ class TOVA(QueryAttentionPolicy):
         queries = context.queries.gather(3, slot)  # [L, b, Hq, 1, D]
         query_positions = context.query_positions.gather(1, newest[:, None])  # [b, 1]
         scores = torch.zeros(L, b, N, dtype=torch.float32, device=context.positions.device)
-        for layers, probs in window_probabilities(queries, query_positions, context.keys, context.positions, self.scaling, group="none"):
+        for layers, probs in window_probabilities(queries, query_positions, context.keys, context.positions, self.scaling, group="none",
+                                                     sinks=self.sinks):
             scores[layers] = probs[:, :, :, :, 0].mean(dim=(2, 3))  # over all Hq heads of the layer
         return scores[:, :, None, :].expand(L, b, Hkv, N)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..architectures import ModelShape
+from ..architectures import ModelShape, attention_sinks
 from ..scoring import zscore
 from .attention_scores import attention_scaling
 from .base import ScoringContext
@@ -56,15 +56,19 @@ class TriAttentionWindow(TriAttention):
     def query_window(self) -> int:
         return self.window_size
 
+    sinks = None  # [L, Hq] attention-sink logits (GPT-OSS), set by `bind`
+
     def bind(self, model: torch.nn.Module, shape: ModelShape) -> None:
         super().bind(model, shape)
         self.scaling = attention_scaling(model, shape.head_dim)
+        self.sinks = attention_sinks(model, shape.cached_layers)
 
     def score(self, context: ScoringContext) -> torch.Tensor:
         tri = super().score(context)  # [L, b, Hkv, N], z-scored per query head then max over the group
         if context.queries is None or context.query_positions is None:
             raise RuntimeError(f"{self.name} scores with recent queries but the cache recorded none")
-        attention = window_importance(context, self.scaling, self.window_size, self.kernel_size, "avg", "mean_prob", "all")
+        attention = window_importance(context, self.scaling, self.window_size, self.kernel_size, "avg", "mean_prob", "all",
+                                      sinks=self.sinks)
         window = zscore(attention.clamp_min(self.log_floor).log(), context.candidates)
         if self.normalize:
             tri = zscore(tri, context.candidates)  # max over the group shifts the scale; back to unit spread

@@ -69,7 +69,7 @@ class TriAttention(Policy):
         tensor-parallel rank holds a slice of the KV heads); default all of them.
         """
         self._require_stats()
-        q_mean, q_abs_mean = self.stats.q_mean, self.stats.q_abs_mean
+        q_mean, q_abs_mean = self.stats.rows(shape.cached_layers)  # the layers the cache bounds
         if query_heads is not None:
             q_mean, q_abs_mean = q_mean[:, query_heads], q_abs_mean[:, query_heads]
         self.scorer = TriScorer(

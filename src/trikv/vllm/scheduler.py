@@ -4,9 +4,11 @@ Before vLLM schedules a step, every running request whose prompt is done and who
 reached budget + divide_length is shrunk to its first ceil(budget / block_size) blocks; the tail blocks go
 back to vLLM's block pool at once, so this very step can give them to other requests. The request's offset
 (logical tokens - physical entries) grows by what was dropped. Everything vLLM tracks stays logical (token
-ids, positions, stop checks, max_model_len); only block allocation sees the physical length, through a
-wrapper around `KVCacheManager.allocate_slots`. The rounds and offsets travel to the workers as the
-`trikv` attribute of the step's `SchedulerOutput`; the workers compact the KV before the step's forward.
+ids, positions, stop checks, max_model_len); only the block allocation of the full-attention KV cache group
+sees the physical length, through wrappers around that group's manager. A hybrid model's sliding-window
+groups (Gemma-3, GPT-OSS) stay vLLM's own: logical lengths, their window's blocks. The rounds and offsets travel
+to the workers as the `trikv` attribute of the step's `SchedulerOutput`; the workers compact the KV before the
+step's forward.
 """
 
 from __future__ import annotations
@@ -23,6 +25,41 @@ from .support import check_engine_config
 log = init_logger(f"vllm.{__name__}")  # printed with vLLM's own log lines
 
 
+def full_attention_manager(managers):
+    """The block manager of the one full-attention KV cache group (the other groups must slide)."""
+    from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager, SlidingWindowManager
+
+    full = [m for m in managers if type(m) is FullAttentionManager]
+    others = [type(m).__name__ for m in managers if type(m) is not FullAttentionManager and not isinstance(m, SlidingWindowManager)]
+    if len(full) != 1 or others:
+        kinds = [type(m).__name__ for m in managers]
+        raise RuntimeError(f"trikv bounds one full-attention KV cache group and leaves sliding-window groups to vLLM; "
+                           f"this model's groups are {kinds}")
+    return full[0]
+
+
+def count_physical(manager, offsets: dict[str, int]) -> None:
+    """Make `manager` (the full-attention group) count a compacted request's physical entries: every token count
+    it is given is logical, so its offset (logical - physical) is taken off."""
+    count = manager.get_num_blocks_to_allocate
+    allocate = manager.allocate_new_blocks
+
+    @functools.wraps(count)
+    def count_blocks(request_id, num_tokens, new_computed_blocks, total_computed_tokens, num_local_computed_tokens,
+                     num_tokens_main_model, *args, **kwargs):
+        offset = offsets.get(request_id, 0)
+        return count(request_id, num_tokens - offset, new_computed_blocks, max(0, total_computed_tokens - offset),
+                     max(0, num_local_computed_tokens - offset), num_tokens_main_model - offset, *args, **kwargs)
+
+    @functools.wraps(allocate)
+    def allocate_blocks(request_id, num_tokens, num_tokens_main_model, *args, **kwargs):
+        offset = offsets.get(request_id, 0)
+        return allocate(request_id, num_tokens - offset, num_tokens_main_model - offset, *args, **kwargs)
+
+    manager.get_num_blocks_to_allocate = count_blocks
+    manager.allocate_new_blocks = allocate_blocks
+
+
 class TriKVScheduler(Scheduler):
     """vLLM's scheduler with a bounded KV cache per request (settings in `additional_config["trikv"]`)."""
 
@@ -35,21 +72,8 @@ class TriKVScheduler(Scheduler):
         self.trikv_blocks_freed = 0
         self.trikv_preemptions = 0
         self._trikv_announced: set[str] = set()  # requests whose first round was logged
-        self._trikv_manager = self.kv_cache_manager.coordinator.single_type_managers[0]
-        allocate = self.kv_cache_manager.allocate_slots
-
-        @functools.wraps(allocate)
-        def allocate_physical(request, *args, **kwargs):
-            offset = self.trikv_offsets.get(request.request_id, 0)
-            if not offset:
-                return allocate(request, *args, **kwargs)
-            request.num_computed_tokens -= offset  # allocation counts physical entries
-            try:
-                return allocate(request, *args, **kwargs)
-            finally:
-                request.num_computed_tokens += offset
-
-        self.kv_cache_manager.allocate_slots = allocate_physical
+        self._trikv_manager = full_attention_manager(self.kv_cache_manager.coordinator.single_type_managers)
+        count_physical(self._trikv_manager, self.trikv_offsets)
 
     def schedule(self, *args, **kwargs):
         rounds = self._start_rounds()

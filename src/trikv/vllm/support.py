@@ -3,8 +3,8 @@
 trikv subclasses vLLM's scheduler, worker and model runner and overrides private methods, so it is tied to
 one vLLM minor release (SUPPORTED_VLLM). Features that would silently break a compacted cache are refused:
 prefix caching (shared blocks would be rewritten), speculative decoding (unverified tokens in the count),
-pipeline / context parallelism, KV connectors, quantised KV caches, the V2 model runner, sliding-window or
-hybrid models.
+pipeline / context parallelism, KV connectors, quantised KV caches, the V2 model runner, models whose every layer
+slides. Hybrid models (Gemma-3) are bounded in their full-attention layers; their sliding-window layers stay vLLM's.
 """
 
 from __future__ import annotations

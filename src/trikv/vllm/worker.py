@@ -6,9 +6,10 @@
    and values of the due requests are read from their blocks, scored, and the kept `budget` per (layer,
    KV head) written back into the first blocks; the runner's block lists are cut to the blocks the
    scheduler kept;
-2. builds the inputs as vLLM does, then subtracts each request's offset from its sequence length and from
-   the slot of every new token: attention and KV writes use the compacted length, RoPE keeps the logical
-   positions.
+2. builds the inputs as vLLM does, then, for the full-attention KV cache group only, subtracts each request's
+   offset from the slot of every new token and from its sequence length in that group's attention metadata:
+   attention and KV writes use the compacted length, RoPE keeps the logical positions. A hybrid model's
+   sliding-window groups keep vLLM's logical lengths and slots (their window's blocks).
 Only vLLM's V1 model runner is supported (the CPU build always runs it; on CUDA set
 VLLM_USE_V2_MODEL_RUNNER=0).
 """
@@ -16,11 +17,12 @@ VLLM_USE_V2_MODEL_RUNNER=0).
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import torch
 from vllm.platforms import current_platform
 
-from ..architectures import ModelShape, config_shape
+from ..architectures import config_shape
 from ..calibration import load_stats
 from ..fast import accelerate
 from ..geometry import RopeGeometry
@@ -47,27 +49,34 @@ class BoundedKVRunner:
         self.trikv_compactor = compactor
         self._trikv_offsets = {}
 
-    def trikv_learn_pages(self, num_layers: int, num_kv_heads: int, head_dim: int) -> None:
-        """Find every decoder layer's KV tensor and learn its page layout (after the KV cache is allocated)."""
+    def trikv_learn_pages(self, layers: tuple[int, ...], num_kv_heads: int, head_dim: int) -> None:
+        """Find the full-attention KV cache group, check that it holds exactly the model's full-attention
+        `layers`, and learn the page layout of their KV tensors (after the KV cache is allocated)."""
         from vllm.model_executor.models.utils import extract_layer_index
-        from vllm.v1.kv_cache_interface import FullAttentionSpec
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
         groups = self.kv_cache_config.kv_cache_groups
-        if len(groups) != 1 or not isinstance(groups[0].kv_cache_spec, FullAttentionSpec):
-            kinds = [type(group.kv_cache_spec).__name__ for group in groups]
-            raise RuntimeError(f"trikv needs one full-attention KV cache group; this model has {kinds}")
-        spec = groups[0].kv_cache_spec
-        names = sorted(groups[0].layer_names, key=extract_layer_index)
-        if len(names) != num_layers:
-            raise RuntimeError(f"the KV cache has {len(names)} attention layers, the model config {num_layers}")
+        kinds = [type(group.kv_cache_spec).__name__ for group in groups]
+        full = [index for index, group in enumerate(groups) if type(group.kv_cache_spec) is FullAttentionSpec]
+        sliding = [index for index, group in enumerate(groups) if isinstance(group.kv_cache_spec, SlidingWindowSpec)]
+        if len(full) != 1 or len(full) + len(sliding) != len(groups):
+            raise RuntimeError(f"trikv bounds one full-attention KV cache group and leaves sliding-window groups to vLLM; "
+                               f"this model's groups are {kinds}")
+        self._trikv_group = full[0]
+        spec = groups[self._trikv_group].kv_cache_spec
+        names = sorted(groups[self._trikv_group].layer_names, key=extract_layer_index)
+        found = tuple(extract_layer_index(name) for name in names)
+        if found != tuple(layers):
+            raise RuntimeError(f"vLLM's full-attention KV cache group holds layers {list(found)}, the model config's "
+                               f"full-attention layers are {list(layers)}")
         context = self.compilation_config.static_forward_context
-        layers = [context[name] for name in names]
         self._trikv_caches = []
         self._trikv_codecs = []
         learnt: dict = {}
-        for index, layer in enumerate(layers):
+        for layer_index, name in zip(found, names):
+            layer = context[name]
             cache = layer.kv_cache
-            if cache.data_ptr() != self.kv_caches[index].data_ptr() or cache.shape != self.kv_caches[index].shape:
+            if cache.data_ptr() != self.kv_caches[layer_index].data_ptr() or cache.shape != self.kv_caches[layer_index].shape:
                 raise RuntimeError("the attention kernel's KV blocks differ from the scheduler's blocks; trikv needs them equal")
             key = (tuple(cache.shape[1:]), cache.stride()[1:], cache.dtype, getattr(layer, "isa", None))
             if key not in learnt:
@@ -78,6 +87,8 @@ class BoundedKVRunner:
                 learnt[key] = PageCodec.learn(write, cache, num_kv_heads, spec.block_size, head_dim)
             self._trikv_caches.append(cache)
             self._trikv_codecs.append(learnt[key])
+        for attn_group in self.attn_groups[self._trikv_group]:
+            _physical_metadata(attn_group, self)
 
     def execute_model(self, scheduler_output, intermediate_tensors=None):
         if self.trikv_compactor is not None:
@@ -89,16 +100,18 @@ class BoundedKVRunner:
         for request_id in set(scheduler_output.preempted_req_ids or ()) | set(scheduler_output.finished_req_ids or ()):
             compactor.forget(request_id)
         self._trikv_offsets = plan.offsets if plan is not None else {}
+        self._trikv_row_offsets = None
         if plan is None:
             return
         compactor.note_step(plan.running, plan.preemptions)
         if not plan.rounds:
             return
-        block_ids = {op.request_id: self.requests[op.request_id].block_ids[0] for op in plan.rounds}
+        group = self._trikv_group
+        block_ids = {op.request_id: self.requests[op.request_id].block_ids[group] for op in plan.rounds}
         compactor.run(plan.rounds, self._trikv_caches, self._trikv_codecs, block_ids)
         for op in plan.rounds:
             state = self.requests[op.request_id]
-            del state.block_ids[0][op.kept_blocks :]
+            del state.block_ids[group][op.kept_blocks :]
             row = self.input_batch.req_id_to_index.get(op.request_id)
             if row is not None:
                 self.input_batch.block_table.add_row(state.block_ids, row)
@@ -110,21 +123,45 @@ class BoundedKVRunner:
         return result
 
     def _trikv_shift(self, total_tokens: int) -> None:
-        """Sequence lengths and KV slots of compacted requests in physical terms (positions stay logical)."""
+        """KV slots of the new tokens of compacted requests in physical terms, in the full-attention group's block
+        table (positions stay logical); the sequence lengths follow in that group's metadata (`_physical_metadata`)."""
         num_reqs = self.input_batch.num_reqs
         offsets = torch.tensor([self._trikv_offsets.get(rid, 0) for rid in self.input_batch.req_ids[:num_reqs]], dtype=torch.int64)
         if not bool(offsets.any()):
             return
-        self.optimistic_seq_lens_cpu[:num_reqs] -= offsets.to(self.optimistic_seq_lens_cpu.dtype)
-        self.seq_lens[:num_reqs] -= offsets.to(device=self.seq_lens.device, dtype=self.seq_lens.dtype)
+        self._trikv_row_offsets = offsets
         token_offsets = offsets.to(self.positions.device)[self.req_indices.gpu[:total_tokens].long()]  # [tokens]
         physical = self.positions[:total_tokens] - token_offsets
-        self.input_batch.block_table.compute_slot_mapping(num_reqs, self.query_start_loc.gpu[: num_reqs + 1], physical)
+        self.input_batch.block_table[self._trikv_group].compute_slot_mapping(
+            num_reqs, self.query_start_loc.gpu[: num_reqs + 1], physical)
 
     def _on_request_state_removed(self, req_id, req_state) -> None:
         if self.trikv_compactor is not None:
             self.trikv_compactor.forget(req_id)
         super()._on_request_state_removed(req_id, req_state)
+
+
+def _physical_metadata(attn_group, runner) -> None:
+    """Wrap the metadata building of an attention group of the full-attention KV cache group: a compacted
+    request's sequence length there is its physical entry count (logical - offset); the other groups build
+    theirs from vLLM's logical lengths."""
+    build = attn_group.build_metadata
+
+    def build_physical(common_attn_metadata, *args, **kwargs):
+        offsets = getattr(runner, "_trikv_row_offsets", None)
+        if offsets is not None:
+            rows = common_attn_metadata.num_reqs
+            shift = torch.zeros(rows, dtype=torch.int64)
+            shift[: min(rows, len(offsets))] = offsets[:rows]
+            seq_lens = common_attn_metadata.seq_lens - shift.to(common_attn_metadata.seq_lens.device, common_attn_metadata.seq_lens.dtype)
+            upper = common_attn_metadata.seq_lens_cpu_upper_bound
+            if upper is not None:
+                upper = upper - shift.to(upper.dtype)
+            common_attn_metadata = replace(common_attn_metadata, seq_lens=seq_lens, seq_lens_cpu_upper_bound=upper,
+                                           max_seq_len=int(upper.max()) if upper is not None else int(seq_lens.max()))
+        return build(common_attn_metadata, *args, **kwargs)
+
+    attn_group.build_metadata = build_physical
 
 
 _RUNNER_CLASSES: dict[type, type] = {}
@@ -166,7 +203,7 @@ class TriKVWorker(_PlatformWorker):
         if getattr(self, "trikv", None) is not None:
             shape = config_shape(self.vllm_config.model_config.hf_config)
             kv_heads = local_kv_heads(shape.num_kv_heads, *_tp())
-            self.model_runner.trikv_learn_pages(shape.num_layers, len(kv_heads), shape.head_dim)
+            self.model_runner.trikv_learn_pages(shape.cached_layers, len(kv_heads), shape.head_dim)
 
     def _trikv_compactor(self) -> Compactor:
         settings = self.trikv
@@ -174,7 +211,7 @@ class TriKVWorker(_PlatformWorker):
         shape = config_shape(hf_config)
         rank, world = _tp()
         kv_heads = local_kv_heads(shape.num_kv_heads, rank, world)
-        local_shape = ModelShape(shape.model_type, shape.num_layers, len(kv_heads) * shape.group_size, len(kv_heads), shape.head_dim, shape.layout)
+        local_shape = replace(shape, num_heads=len(kv_heads) * shape.group_size, num_kv_heads=len(kv_heads))
         stats = load_stats(settings.stats) if settings.needs_stats else None
         policy = settings.make_policy(stats)
         if hasattr(policy, "bind_geometry"):

@@ -247,21 +247,28 @@ class FidelityTask:
         return result, evictions
 
     def _probs_blocks(self, layer: int, block: int):
-        """(query positions [n], causal attention probabilities [b, Hkv, G, n, T]) of the sampled queries, by block."""
+        """(query positions [n], causal attention probabilities [b, Hkv, G, n, T]) of the sampled queries, by block.
+
+        With attention sinks (GPT-OSS) the sink logit joins each softmax denominator, as in the model: the keys'
+        probabilities then sum to less than 1."""
         ref = self.reference
         K = ref.keys[layer]  # [b, Hkv, T, D]
         b, Hkv, T = K.shape[:3]
         Hq = ref.queries[layer].shape[1]
         G = Hq // Hkv
         keys_index = torch.arange(T)
+        sink = None if ref.sinks is None else ref.sinks[layer].view(1, Hkv, G, 1, 1)
         for s in range(0, len(ref.query_index), block):
             qpos = ref.query_index[s : s + block]
             n = len(qpos)
             Q = ref.queries[layer][:, :, s : s + block]  # [b, Hq, n, D]
             logits = torch.matmul(Q.reshape(b, Hkv, G * n, -1), K.transpose(-1, -2)) * ref.scaling
-            logits = logits.view(b, Hkv, G, n, T)
-            causal = keys_index[None, :] <= qpos[:, None]  # [n, T]
-            yield qpos, torch.softmax(logits.masked_fill(~causal, float("-inf")), dim=-1)
+            logits = logits.view(b, Hkv, G, n, T).masked_fill(~(keys_index[None, :] <= qpos[:, None]), float("-inf"))
+            if sink is None:
+                yield qpos, torch.softmax(logits, dim=-1)
+            else:
+                with_sink = torch.cat([logits, sink.expand(b, Hkv, G, n, 1)], dim=-1)
+                yield qpos, torch.softmax(with_sink, dim=-1)[..., :T]
 
     def oracle_evictions(self, layer: int, round_times: list[int], budget: int, block: int = 256) -> torch.Tensor:
         """[b, Hkv, T] eviction times of the oracle on `layer`: at each round it keeps, of the keys it still
@@ -331,6 +338,7 @@ class FidelityTask:
                     visible = qpos[None, None, :, None] < evict[:, :, None, :]  # [b, Hkv, n, T]
                     kept = probs * visible[:, :, None]
                     rows["kept"][:, layer] += kept.sum(-1).sum(-1).reshape(b, Hq).double()
+                    rows["mass"][:, layer] += probs.sum(-1).sum(-1).reshape(b, Hq).double()
                     if layer == 0:
                         rows["queries"] += n
                     nseg = len(a["round_of_seg"])
@@ -354,6 +362,7 @@ def empty_recall_rows(rows: int, layers: int, query_heads: int, buckets: int) ->
     number of those queries, and the kept / total mass per horizon bucket."""
     return {
         "kept": torch.zeros(rows, layers, query_heads, dtype=torch.float64),
+        "mass": torch.zeros(rows, layers, query_heads, dtype=torch.float64),  # all keys' mass (< 1 a query with sinks)
         "queries": torch.zeros(rows, dtype=torch.float64),
         "h_kept": torch.zeros(rows, layers, query_heads, buckets, dtype=torch.float64),
         "h_mass": torch.zeros(rows, layers, query_heads, buckets, dtype=torch.float64),
@@ -368,9 +377,10 @@ def concat_recall_rows(parts: list[dict]) -> dict:
 
 def recall_summary(rows: dict, labels: list[str]) -> dict:
     """Attention recall pooled over the texts `rows` holds: per (layer, query head) the kept share of the
-    sampled queries' attention, averaged over heads (and its minimum); by horizon, each head's kept share of
-    the mass in the bucket, averaged over the heads that have mass there."""
-    per_head = rows["kept"].sum(0) / rows["queries"].sum().clamp_min(1)  # [L, Hq]
+    sampled queries' attention on keys (with attention sinks the keys get less than all of it; the share is of
+    what they get), averaged over heads (and its minimum); by horizon, each head's kept share of the mass in the
+    bucket, averaged over the heads that have mass there."""
+    per_head = rows["kept"].sum(0) / rows["mass"].sum(0).clamp_min(1e-30)  # [L, Hq]
     h_kept, h_mass = rows["h_kept"].sum(0), rows["h_mass"].sum(0)  # [L, Hq, nb]
     total_mass = h_mass.sum()
     by_horizon = {}

@@ -89,8 +89,8 @@ def recall_resamples(rows: dict, weights: np.ndarray, labels: list[str]) -> dict
     """Recall (overall and per horizon label) of every resample, from per-text sums (see `empty_recall_rows`)."""
     kept = np.asarray(rows["kept"], dtype=np.float64)  # [b, L, Hq]
     b = kept.shape[0]
-    queries = weights @ np.asarray(rows["queries"], dtype=np.float64)  # [R]
-    per_head = (weights @ kept.reshape(b, -1)) / np.maximum(queries, 1.0)[:, None]  # [R, L*Hq]
+    mass = weights @ np.asarray(rows["mass"], dtype=np.float64).reshape(b, -1)  # [R, L*Hq]
+    per_head = (weights @ kept.reshape(b, -1)) / np.maximum(mass, 1e-30)  # [R, L*Hq]
     out = {"recall": per_head.mean(-1)}
     h_kept = np.asarray(rows["h_kept"], dtype=np.float64)
     h_mass = np.asarray(rows["h_mass"], dtype=np.float64)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...architectures import attention_modules, decoder, model_shape
+from ...architectures import attention_modules, attention_sinks, decoder, model_shape
 from ...compat import cache_kwargs
 from ...qk_capture import capture_post_rope
 
@@ -36,6 +36,8 @@ class Reference:
     queries: list[torch.Tensor] | None  # per layer [b, Hq, n_q, D] post-RoPE queries at `query_index`
     query_index: torch.Tensor | None  # [n_q] long: positions whose queries were kept
     scaling: float = 1.0
+    layers: list[int] | None = None  # the model layers `keys` / `queries` hold (a hybrid model: its global ones)
+    sinks: torch.Tensor | None = None  # [len(layers), Hq] attention-sink logits (GPT-OSS), None without
 
     def logits(self, model, start: int, end: int) -> torch.Tensor:
         return head_logits(model, self.hidden[:, start:end])
@@ -57,13 +59,18 @@ def reference_pass(
     base = decoder(model)
     cache = DynamicCache(config=model.config)
     hidden = None
-    keys: list[torch.Tensor | None] = [None] * model.config.num_hidden_layers
-    queries: list[torch.Tensor | None] = [None] * model.config.num_hidden_layers
+    layers = list(model_shape(model).cached_layers)  # the layers a trikv cache bounds (recall is about them)
+    row_of = {layer: row for row, layer in enumerate(layers)}
+    keys: list[torch.Tensor | None] = [None] * len(layers)
+    queries: list[torch.Tensor | None] = [None] * len(layers)
     span = [0, 0]
     if query_index is not None:
         query_index = query_index.to(torch.long)
 
     def on_vectors(layer: int, q: torch.Tensor, k: torch.Tensor) -> None:
+        if layer not in row_of:
+            return
+        layer = row_of[layer]
         start, end = span
         if keys[layer] is None:
             keys[layer] = torch.zeros(b, k.shape[1], T, k.shape[-1], dtype=torch.float32)
@@ -88,4 +95,5 @@ def reference_pass(
             if progress is not None:
                 progress(end - start)
     scaling = float(getattr(attention_modules(model)[0], "scaling", model_shape(model).head_dim**-0.5))
-    return Reference(hidden, keys if query_index is not None else None, queries if query_index is not None else None, query_index, scaling)
+    return Reference(hidden, keys if query_index is not None else None, queries if query_index is not None else None, query_index,
+                     scaling, layers, attention_sinks(model, layers))

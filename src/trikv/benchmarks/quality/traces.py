@@ -1,7 +1,7 @@
 """The bundled models' own reasoning traces: the text a bounded cache exists for.
 
 Each bundled model answers math problems with full attention, sampled as the paper samples (T 0.6, top-p 0.95,
-the math prompt in the chat template), and its answers are frozen in `data/traces/<model>.jsonl` with their
+the math prompt in the chat template, or as plain text for a model without one), and its answers are frozen in `data/traces/<model>.jsonl` with their
 seeds and the command that wrote them. A trace is one problem's answer, 2,048+ tokens long: where the model
 stops earlier, further sampled attempts at the same problem are appended (separated by a blank line) until the
 trace is long enough. Fidelity and recall then feed a trace behind its own chat prompt (the problem), which a
@@ -39,7 +39,7 @@ DESIGN_PROBLEMS = (
 # traces per split and model (the 1.5B is the slowest to sample on a CPU); design traces exist for the model whose
 # gap to R-KV is diagnosed
 COUNTS = {"smollm2-135m": {"evaluation": 16, "design": 0}, "qwen2.5-coder-0.5b": {"evaluation": 16, "design": 0},
-          "qwen2.5-coder-1.5b": {"evaluation": 8, "design": 8}}
+          "qwen2.5-coder-1.5b": {"evaluation": 8, "design": 8}, "gemma3-270m": {"evaluation": 16, "design": 0}}
 
 
 @dataclass
@@ -151,6 +151,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--engine", default="lean", choices=("lean", "transformers"),
+                        help="decode loop (the lean engine runs full-attention models; hybrid ones need transformers)")
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args(argv)
     if args.threads:
@@ -158,7 +160,7 @@ def main(argv: list[str] | None = None) -> None:
 
         torch.set_num_threads(args.threads)
     command = "python -m trikv.benchmarks.quality.traces " + " ".join(sys.argv[1:] if argv is None else argv)
-    for trace in write_traces(args.model, args.split, args.seed, args.dtype, batch=args.batch, command=command):
+    for trace in write_traces(args.model, args.split, args.seed, args.dtype, engine=args.engine, batch=args.batch, command=command):
         print(f"{trace.name}: {trace.tokens} tokens in {len(trace.seeds)} attempt(s)")
 
 
