@@ -63,6 +63,8 @@ def test_hybrid_geometry_is_the_global_layers_own_rope(family):
         assert geometry.attention_scaling == pytest.approx(rotary.attention_scaling) and geometry.attention_scaling > 1.0
     expected, _ = modeling.apply_rotary_pos_emb(x, x, cos, sin)
     torch.testing.assert_close(geometry.rotate(x, positions[0]), expected, rtol=0, atol=3e-4)
+    # serving engines hold the config only: the same geometry from it
+    assert RopeGeometry.from_config(model.config).checksum() == geometry.checksum()
 
 
 @pytest.mark.parametrize("family", ["gemma3_text", "gpt_oss"])

