@@ -1,13 +1,61 @@
 #!/usr/bin/env bash
-# The quality runs on the bigger offline models behind docs/results.md (resumable: rerun to continue).
+# The quality runs behind docs/results.md (resumable: rerun to continue), then the earlier runs behind
+# docs/results-earlier.md (made before the equal prompt-protection rule; kept for their commands).
 # Statistics: scripts/make_calibration_text.py --model M then `trikv calibrate` (shipped in src/trikv/data/stats).
+# Times are for 2 CPU cores, one job at a time, two threads.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+. .venv/bin/activate
+
+# ---- docs/results.md ------------------------------------------------------------------------------------------
+# 1. each model's own reasoning traces (shipped in src/trikv/benchmarks/quality/data/traces; ~20-60 min each)
+python -m trikv.benchmarks.quality.traces --model smollm2-135m --split evaluation --threads 2
+python -m trikv.benchmarks.quality.traces --model qwen2.5-coder-1.5b --split design --dtype bfloat16 --threads 2
+python -m trikv.benchmarks.quality.traces --model qwen2.5-coder-1.5b --split evaluation --dtype bfloat16 --threads 2
+python -m trikv.benchmarks.quality.traces --model qwen2.5-coder-0.5b --split evaluation --dtype bfloat16 --threads 2
+# Gemma-3-270M: its calibration text and statistics (global layers), then its traces (transformers engine: hybrid)
+TRIKV_THREADS=2 python scripts/make_calibration_text.py --model gemma3-270m --count 16 --engine transformers \
+  --out src/trikv/data/calibration/gemma3-270m-math500-traces.txt
+trikv calibrate --model gemma3-270m --text src/trikv/data/calibration/gemma3-270m-math500-traces.txt \
+  --out src/trikv/data/stats/gemma3-270m.safetensors
+python -m trikv.benchmarks.quality.traces --model gemma3-270m --split evaluation --engine transformers --threads 2
+# 2. the diagnosis on the 1.5B's design traces (why R-KV beats TriAttention on reasoning; chooses the candidate)
+trikv bench quality --task fidelity --model qwen2.5-coder-1.5b --traces design --budgets 128 \
+  --methods full,triattention,triattention-recent,triattention-dedup,triattention-dedup-only,triattention-shared-layers,rkv,rkv-importance-only,snapkv-decode \
+  --horizons 128,512,1024 --recall-stride 8 --dtype bfloat16 --threads 2 --no-progress --out runs/quality/qwen2.5-coder-1.5b-design
+# 3. the pre-registered held-out test (docs/preregistration.json): MATH-500 rows 300-399, B = 128, greedy, 1,024 tokens;
+# one process per method (~25-35 min each), the last invocation collects the cells
+heldout=(--task math --model qwen2.5-coder-1.5b --budgets 128 --samples 1 --math-batch 32 --temperature 0 --max-new-tokens 1024
+         --problems "$(python -c "print(','.join(f'math500-{i}' for i in range(300, 400)))")"
+         --dtype bfloat16 --threads 2 --no-progress --out runs/quality/qwen2.5-coder-1.5b-heldout)
+candidate=$(python -c "import json; print(json.load(open('docs/preregistration.json'))['candidate'])")
+for method in triattention $candidate rkv snapkv; do trikv bench quality "${heldout[@]}" --methods full,$method; done
+trikv bench quality "${heldout[@]}" --methods full,triattention,$candidate,rkv,snapkv
+# 4. fidelity and recall on each model's evaluation traces, the whole field (~1-2 h each)
+field=full,triattention,triattention-shared-layers,triattention-window,triattention-recent,triattention-dedup,rkv,snapkv,snapkv-decode,h2o,streaming,tova,tam-shared
+traces=(--task fidelity --traces evaluation --horizons 128,512,1024 --recall-stride 8 --threads 2 --no-progress --methods $field)
+trikv bench quality "${traces[@]}" --model smollm2-135m --budgets 128,256 --out runs/quality/smollm2-135m-traces
+trikv bench quality "${traces[@]}" --model qwen2.5-coder-0.5b --budgets 128,256 --dtype bfloat16 --out runs/quality/qwen2.5-coder-0.5b-traces
+trikv bench quality "${traces[@]}" --model qwen2.5-coder-1.5b --budgets 128 --dtype bfloat16 --out runs/quality/qwen2.5-coder-1.5b-traces
+trikv bench quality --task fidelity --model gemma3-270m --traces evaluation --budgets 128,256 \
+  --methods full,triattention,rkv,snapkv,streaming,h2o --horizons 128,512,1024 --recall-stride 8 --threads 2 --no-progress \
+  --out runs/quality/gemma3-270m-traces
+# the page (the evaluation traces first, then the held-out test and the diagnosis)
+trikv bench report runs/quality/qwen2.5-coder-1.5b-traces runs/quality/qwen2.5-coder-0.5b-traces runs/quality/smollm2-135m-traces \
+  runs/quality/gemma3-270m-traces runs/quality/qwen2.5-coder-1.5b-heldout runs/quality/qwen2.5-coder-1.5b-design \
+  --preregistration docs/preregistration.json --earlier docs/results-earlier.md --out docs/results.md
+# Q/K concentration of every bundled model (global vs sliding layers for Gemma-3; ~45 min in all)
+for model in smollm2-135m gemma3-270m qwen2.5-coder-0.5b qwen2.5-coder-1.5b; do
+  trikv analyze --model $model --out runs/analysis/$model --no-progress
+done
+python -m trikv.analysis.docs runs/analysis/*/analysis.json --out docs/analysis.md
+
+# ---- docs/results-earlier.md (before the equal prompt-protection rule; the runs below would now refuse to resume
+# their folders and recompute under the current rule) ----------------------------------------------------------
 # Times on 2 CPU cores, one thread per run: ~35 min for 8 methods of the 0.5B fidelity grid (~30 min more for the
 # other 5, two threads, alone), ~45 min for each 1.5B one
 # (two at once), ~10 min for the needle run, ~35 min for the quick preset under that load; the 1.5B needle,
 # DFS and math runs use bfloat16 with two threads, alone on the machine (~4 min, ~15 min, ~85 min).
-set -euo pipefail
-cd "$(dirname "$0")/.."
-. .venv/bin/activate
 common=(--task fidelity --texts python-reference,math-solutions --text-tokens 4096 --horizons 128,512,1024,2048
         --recall-stride 8 --threads 1 --no-progress)
 trikv bench quality "${common[@]}" --model qwen2.5-coder-0.5b --budgets 128,410 \
@@ -144,4 +192,4 @@ trikv bench report runs/quality-quick runs/quality/qwen2.5-coder-0.5b-fidelity r
   runs/quality/qwen2.5-coder-1.5b-math-100-2048 runs/quality/qwen2.5-coder-1.5b-fidelity-8k \
   runs/quality/qwen2.5-coder-1.5b-fidelity-8k-more runs/quality/qwen2.5-coder-0.5b-fidelity-8k-more \
   runs/quality/qwen2.5-coder-1.5b-needle-8k runs/quality/qwen2.5-coder-1.5b-math-100-b512 \
-  runs/quality/qwen2.5-coder-1.5b-math-100-b128 --out docs/results.md
+  runs/quality/qwen2.5-coder-1.5b-math-100-b128 --out docs/results-earlier.md
