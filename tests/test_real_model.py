@@ -193,3 +193,12 @@ def test_gemma3_fidelity_on_its_own_trace(gemma):
     assert small["compressed"]["positions"] > 0 and small["compressed"]["kl"] > 1e-4
     recall = suite.recall({"small": log})["small"]
     assert 0.0 < recall["recall"] < 1.0 and len(recall["recall_per_layer"]) == 3
+
+
+def test_gemma3_demo_picks_the_transformers_engine_and_counts_both_kinds_of_layers(gemma, capsys):
+    from trikv.demo import run_demo
+
+    table = run_demo("gemma3-270m", budget=64, divide_length=32, new_tokens=160, progress=False)
+    out = capsys.readouterr().out
+    assert "engine: transformers" in out
+    assert "KV entries / (global layer, head), peak" in table and "15 sliding-window layers, 512 tokens each" in table

@@ -175,8 +175,9 @@ def _add_demo(sub) -> None:
     p.add_argument("--new-tokens", type=int, default=1500)
     p.add_argument("--compare-first", type=int, default=None, help="agreement is measured on the first N tokens (default: all)")
     p.add_argument("--prompt", help="override the default prompt")
-    p.add_argument("--engine", default="lean", choices=["lean", "transformers"],
-                   help="decode loop for both runs: trikv's lean engine (default) or the transformers model forward")
+    p.add_argument("--engine", default="auto", choices=["auto", "lean", "transformers"],
+                   help="decode loop for both runs: trikv's lean engine, the transformers model forward, or auto (the "
+                        "lean engine where it runs the model, transformers for hybrid models; the default)")
     p.set_defaults(func=cmd_demo)
 
 

@@ -6,7 +6,9 @@ import time
 
 import torch
 
+from .architectures import model_shape
 from .calibration import load_stats
+from .lean import LEAN_FAMILIES
 from .generation import GenerationResult, generate
 from .models import DEFAULT_MODEL, load_model
 
@@ -29,13 +31,16 @@ def agreement(reference: list[int], other: list[int], first: int) -> tuple[int, 
     return n, prefix, same / max(n, 1)
 
 
-def comparison_table(full: GenerationResult, tri: GenerationResult, full_wall: float, tri_wall: float, budget: int, beta: int, first: int) -> str:
+def comparison_table(full: GenerationResult, tri: GenerationResult, full_wall: float, tri_wall: float, budget: int, beta: int,
+                     first: int, layers: str = "layer") -> str:
+    """`layers`: what the entry counts are per ("layer"; "global layer" for a hybrid model, whose sliding-window
+    layers hold at most their window and are counted in the bytes)."""
     n, prefix, share = agreement(full.tokens[0], tri.tokens[0], first)
     rows = [
         ("", "full attention", f"TriAttention (B={budget}, beta={beta})"),
         ("generated tokens", str(len(full.tokens[0])), str(len(tri.tokens[0]))),
-        ("KV entries / (layer, head), final", str(full.final_entries), str(tri.final_entries)),
-        ("KV entries / (layer, head), peak", str(full.peak_entries), str(tri.peak_entries)),
+        (f"KV entries / ({layers}, head), final", str(full.final_entries), str(tri.final_entries)),
+        (f"KV entries / ({layers}, head), peak", str(full.peak_entries), str(tri.peak_entries)),
         ("KV cache bytes, final", _mib(full.final_cache_bytes), _mib(tri.final_cache_bytes)),
         ("KV cache bytes, peak", _mib(full.peak_cache_bytes), _mib(tri.peak_cache_bytes)),
         ("decode tokens/s", f"{full.decode_tokens_per_second:.1f}", f"{tri.decode_tokens_per_second:.1f}"),
@@ -62,11 +67,13 @@ def run_demo(
     prompt: str = DEFAULT_PROMPT,
     compare_first: int | None = None,
     progress: bool = True,
-    engine: str = "lean",
+    engine: str = "auto",
 ) -> str:
     torch.set_num_threads(max(1, torch.get_num_threads()))
     print(f"[trikv demo] loading {model_name} ...", flush=True)
     model, tokenizer = load_model(model_name)
+    if engine == "auto":  # the lean engine where it runs the model; transformers' forward for hybrid models
+        engine = "lean" if model_shape(model).model_type in LEAN_FAMILIES and not model_shape(model).is_hybrid else "transformers"
     stats = load_stats(stats_path or model_name, model)
     print(f"[trikv demo] stats: {stats.metadata.get('calibration_source')} ({stats.metadata.get('token_count')} tokens)")
     print(f"[trikv demo] engine: {engine}, {torch.get_num_threads()} threads", flush=True)
@@ -77,7 +84,12 @@ def run_demo(
     started = time.perf_counter()
     tri = generate(model, tokenizer, prompt, method="triattention", stats=stats, budget=budget, divide_length=divide_length, **common)
     tri_wall = time.perf_counter() - started
-    table = comparison_table(full, tri, full_wall, tri_wall, budget, divide_length, compare_first or new_tokens)
+    shape = model_shape(model)
+    table = comparison_table(full, tri, full_wall, tri_wall, budget, divide_length, compare_first or new_tokens,
+                             "global layer" if shape.is_hybrid else "layer")
+    if shape.is_hybrid:
+        table += (f"\n(KV bytes include the {shape.num_layers - len(shape.cached_layers)} sliding-window layers, "
+                  f"{shape.sliding_window} tokens each, for both runs)")
     print()
     print(f"prompt ({full.prompt_lengths[0]} tokens): {prompt}")
     print()

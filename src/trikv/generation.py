@@ -38,11 +38,13 @@ def cache_bytes(cache) -> int:
 
 
 def cache_entries(cache) -> int:
-    """Physical entries per (layer, row, KV head)."""
+    """Physical entries per (layer, row, KV head) of the layers that grow with the sequence (a hybrid model's
+    full-attention layers; its sliding layers hold at most their window)."""
     if isinstance(cache, CompressedCache):
         return cache.entries()
-    layer = cache.layers[0] if getattr(cache, "layers", None) else None
-    return 0 if layer is None or layer.keys is None else layer.keys.shape[-2]
+    layers = [layer for layer in getattr(cache, "layers", []) if not getattr(layer, "is_sliding", False)]
+    layer = layers[0] if layers else None
+    return 0 if layer is None or getattr(layer, "keys", None) is None else layer.keys.shape[-2]
 
 
 @dataclass
