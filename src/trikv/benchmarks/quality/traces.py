@@ -27,7 +27,7 @@ TRACES_DIR = Path(__file__).resolve().parent / "data" / "traces"
 SPLITS = ("evaluation", "design")
 TEMPERATURE, TOP_P = 0.6, 0.95
 MIN_TOKENS = 2048
-MAX_ATTEMPTS = 8
+MAX_ATTEMPTS = 32  # a model that answers some problem in ~100 tokens needs 20-odd attempts
 # evaluation problems, in the order a smaller set takes them: 6 MATH-500 rows then 2 AIME 2025 problems per 8
 EVALUATION_PROBLEMS = (
     "math500-400", "math500-401", "math500-408", "math500-415", "math500-417", "math500-418", "aime25-0", "aime25-1",
@@ -82,10 +82,12 @@ def problems_for(model: str, split: str) -> list[str]:
 
 
 def write_traces(model_name: str, split: str, seed: int = 0, dtype: str = "float32", engine: str = "lean",
-                 batch: int = 16, min_tokens: int = MIN_TOKENS, command: str | None = None, log=print) -> list[Trace]:
+                 batch: int = 16, min_tokens: int = MIN_TOKENS, command: str | None = None, log=print,
+                 extend: bool = False) -> list[Trace]:
     """Sample `split`'s traces of `model_name` with full attention and write them into its trace file (the other
     split's rows are kept). Attempt a (0-based) of every problem still short is sampled in one batch with seed
-    `seed + a`; an attempt may write up to the tokens its problem still lacks (+ 64)."""
+    `seed + a`; an attempt may write up to the tokens its problem still lacks (+ 64). `extend` keeps the split's
+    shipped traces and continues the attempts of those still short of `min_tokens`."""
     import torch
 
     from ...generation import generate
@@ -105,7 +107,13 @@ def write_traces(model_name: str, split: str, seed: int = 0, dtype: str = "float
     pieces: dict[str, list[list[int]]] = {pid: [] for pid in problem_ids}
     seeds: dict[str, list[int]] = {pid: [] for pid in problem_ids}
     separator = tokenizer("\n\n", add_special_tokens=False)["input_ids"]
-    for attempt in range(MAX_ATTEMPTS):
+    first_attempt = 0
+    if extend:  # the shipped attempts stand as they are (their text re-tokenised)
+        for trace in load_traces(model_name, split):
+            pieces[trace.name] = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in [trace.text]]
+            seeds[trace.name] = list(trace.seeds)
+            first_attempt = max(first_attempt, len(trace.seeds))
+    for attempt in range(first_attempt, MAX_ATTEMPTS):
         short = [pid for pid in problem_ids if _length(pieces[pid], separator) < min_tokens]
         if not short:
             break
@@ -124,11 +132,12 @@ def write_traces(model_name: str, split: str, seed: int = 0, dtype: str = "float
     traces = []
     for pid in problem_ids:
         texts = [tokenizer.decode(tokens, skip_special_tokens=True).strip() for tokens in pieces[pid]]
+        texts = [text for text in texts if text]
         length = _length(pieces[pid], separator)
         traces.append(Trace(
             name=pid, split=split, prompt=prompts[pid], text="\n\n".join(texts), tokens=length, seeds=seeds[pid],
             source=(f"{model_name} ({dtype}, {engine} engine) with full attention on {pid}, chat template: "
-                    f"{len(texts)} sampled attempt(s), T {TEMPERATURE}, top-p {TOP_P}, seeds {seeds[pid]}"
+                    f"{len(seeds[pid])} sampled attempt(s), T {TEMPERATURE}, top-p {TOP_P}, seeds {seeds[pid]}"
                     + (f"; command: {command}" if command else "")),
         ))
     path = trace_file(model_name)
@@ -154,13 +163,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--engine", default="lean", choices=("lean", "transformers"),
                         help="decode loop (the lean engine runs full-attention models; hybrid ones need transformers)")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--extend", action="store_true",
+                        help="keep the split's shipped traces and continue the attempts of those short of 2,048 tokens")
     args = parser.parse_args(argv)
     if args.threads:
         import torch
 
         torch.set_num_threads(args.threads)
     command = "python -m trikv.benchmarks.quality.traces " + " ".join(sys.argv[1:] if argv is None else argv)
-    for trace in write_traces(args.model, args.split, args.seed, args.dtype, engine=args.engine, batch=args.batch, command=command):
+    for trace in write_traces(args.model, args.split, args.seed, args.dtype, engine=args.engine, batch=args.batch, command=command,
+                              extend=args.extend):
         print(f"{trace.name}: {trace.tokens} tokens in {len(trace.seeds)} attempt(s)")
 
 
