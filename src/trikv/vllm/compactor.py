@@ -115,7 +115,7 @@ class Compactor:
 
         def where(codec: PageCodec, cache: torch.Tensor) -> tuple:
             if id(codec) not in located:
-                located[id(codec)] = codec.locate(table, cache[0].numel())
+                located[id(codec)] = codec.locate(table, cache)
             return located[id(codec)]
 
         keys = torch.stack([codec.gather(cache, table, where(codec, cache), keys_only=True)

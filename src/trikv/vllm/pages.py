@@ -6,6 +6,12 @@ the CPU's instruction set (vLLM's CPU backend stores fp32 keys transposed per pa
 on AMX machines). `PageCodec` does not assume any of it: it learns the arrangement by writing coded
 tokens through the backend's own KV write (`impl.do_kv_cache_update`) into a one-block scratch copy and
 reading back where every code landed. It then gathers and scatters whole pages with one index per element.
+
+The learnt offsets are logical (element order of one block of the layer's view). vLLM 0.32 views every layer's
+cache as [blocks, H, N, C] over one shared allocation in one of six `KVCacheLayout`s (LBNHC, LBHNC, BLNHC,
+BLHNC, BHLNC, LHBNC): in most of them a layer's view is not contiguous (heads and slots swapped inside a page,
+or the other layers' pages between two blocks). Every element is therefore addressed through the view's own
+strides, on the storage it shares with the other layers: nothing assumes a contiguous layer.
 """
 
 from __future__ import annotations
@@ -83,38 +89,52 @@ class PageCodec:
             offsets[part] = table
         return cls(offsets["key"], offsets["value"], block_size)
 
-    def locate(self, block_table: torch.Tensor, page_elements: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Flat-cache index of every key and every value element of the blocks `block_table` [R, nb]: two
-        [R, Hkv, nb N, D] long tensors (the same for every layer whose cache has this layout)."""
+    def locate(self, block_table: torch.Tensor, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Storage index (from the cache's first element) of every key and every value element of the blocks
+        `block_table` [R, nb]: two [R, Hkv, nb N, D] long tensors, the same for every layer whose view has the
+        shape and strides of `kv_cache`."""
         R, nb = block_table.shape
         H, N, D = self.key_offsets.shape
-        starts = (block_table.to(self.key_offsets.device) * page_elements).view(R, nb, 1, 1, 1)
+        starts = (block_table.to(self.key_offsets.device) * kv_cache.stride(0)).view(R, nb, 1, 1, 1)
         return tuple(  # type: ignore[return-value]
-            (starts + offsets[None, None]).permute(0, 2, 1, 3, 4).reshape(R, H, nb * N, D)
+            (starts + _strided(offsets, kv_cache)[None, None]).permute(0, 2, 1, 3, 4).reshape(R, H, nb * N, D)
             for offsets in (self.key_offsets, self.value_offsets)
         )
 
     def gather(self, kv_cache: torch.Tensor, block_table: torch.Tensor, located=None, keys_only: bool = False):
         """Keys and values of `block_table` [R, nb] (block ids, row per request) -> two [R, Hkv, nb * N, D]
         (or the keys alone). `located`: `locate(...)` of these blocks, when the caller already has it."""
-        flat, page_elements = _flat(kv_cache)
-        key_index, value_index = located if located is not None else self.locate(block_table, page_elements)
+        flat = _storage(kv_cache)
+        key_index, value_index = located if located is not None else self.locate(block_table, kv_cache)
         keys = flat[key_index]
         return keys if keys_only else (keys, flat[value_index])
 
     def move(self, kv_cache: torch.Tensor, block_table: torch.Tensor, order: torch.Tensor, located=None) -> None:
         """In place: slot i of every request and KV head takes the key and value of slot order[r, h, i]
         (order [R, Hkv, n], within the request's blocks `block_table` [R, nb]); slots past n are untouched."""
-        flat, page_elements = _flat(kv_cache)
-        key_index, value_index = located if located is not None else self.locate(block_table, page_elements)
+        flat = _storage(kv_cache)
+        key_index, value_index = located if located is not None else self.locate(block_table, kv_cache)
         n, D = order.shape[-1], key_index.shape[-1]
         rows = order[..., None].expand(*order.shape, D)
         for index in (key_index, value_index):
             flat[index[:, :, :n]] = flat[index.gather(2, rows)]  # the right side is read whole before the write
 
 
-def _flat(kv_cache: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """The cache as one flat view (no copy) and the elements per block page."""
-    if not kv_cache.is_contiguous():
-        raise RuntimeError("trikv reads vLLM KV caches whose blocks are contiguous; this one is not")
-    return kv_cache.view(-1), kv_cache[0].numel()
+def _strided(offsets: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
+    """Logical element offsets inside one block (`kv_cache[0]` in row-major order) -> storage offsets from the
+    block's first element, through the view's strides."""
+    shape, strides = kv_cache.shape[1:], kv_cache.stride()[1:]
+    remaining, storage = offsets.clone(), torch.zeros_like(offsets)
+    for size, stride in zip(reversed(shape), reversed(strides)):
+        storage += (remaining % size) * stride
+        remaining //= size
+    return storage
+
+
+def _storage(kv_cache: torch.Tensor) -> torch.Tensor:
+    """A flat view (no copy) of the cache's storage from its first element: every layer view over a shared
+    allocation, whatever its strides, is addressed as storage offset + block * stride(0) + in-page offset."""
+    if any(stride < 0 for stride in kv_cache.stride()):
+        raise RuntimeError(f"cannot address a KV cache with negative strides {kv_cache.stride()}")
+    elements = kv_cache.untyped_storage().nbytes() // kv_cache.element_size() - kv_cache.storage_offset()
+    return kv_cache.as_strided((elements,), (1,), kv_cache.storage_offset())

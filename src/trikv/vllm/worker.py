@@ -78,13 +78,20 @@ class BoundedKVRunner:
             cache = layer.kv_cache
             if cache.data_ptr() != self.kv_caches[layer_index].data_ptr() or cache.shape != self.kv_caches[layer_index].shape:
                 raise RuntimeError("the attention kernel's KV blocks differ from the scheduler's blocks; trikv needs them equal")
-            key = (tuple(cache.shape[1:]), cache.stride()[1:], cache.dtype, getattr(layer, "isa", None))
+            key = (tuple(cache.shape[1:]), cache.stride(), cache.dtype, getattr(layer, "isa", None))
             if key not in learnt:
 
                 def write(keys, values, scratch, slots, layer=layer):
                     layer.impl.do_kv_cache_update(layer, keys, values, scratch, slots)
 
-                learnt[key] = PageCodec.learn(write, cache, num_kv_heads, spec.block_size, head_dim)
+                try:
+                    learnt[key] = PageCodec.learn(write, cache, num_kv_heads, spec.block_size, head_dim)
+                except RuntimeError as error:
+                    layout = getattr(self.cache_config, "kv_cache_layout", None) or "the backend's own"
+                    raise RuntimeError(
+                        f"{error} (KV cache layout {layout}, attention backend {type(layer.impl).__name__}); "
+                        "choose another layout with VLLM_KV_CACHE_LAYOUT (e.g. LBHNC) or another attention backend"
+                    ) from None
             self._trikv_caches.append(cache)
             self._trikv_codecs.append(learnt[key])
         for attn_group in self.attn_groups[self._trikv_group]:
