@@ -276,3 +276,29 @@ def test_trace_settings_are_checked():
         config_from_preset("quick", traces="design", trace_tokens=1)
     config = config_from_preset("quick", tasks=["fidelity"], traces="design")
     assert config.texts == []  # the traces replace the default human texts
+
+
+def test_recall_with_attention_sinks_divides_by_the_keys_mass():
+    """GPT-OSS: the reference attention of the recall instruments has the sink in its softmax denominator, as the
+    model does; a head's recall is the kept share of the mass its keys get (keeping everything gives exactly 1)."""
+    model = tiny_model("gpt_oss", seed=1)
+    ids = torch.randint(1, 96, (1, 120), generator=torch.Generator().manual_seed(2))
+    task = FidelityTask(model, ids, prompt_length=8, max_chunk=32, recall_stride=2, horizons=(32,))
+    reference = task.run_reference()
+    assert reference.layers == [1, 3] and reference.sinks.shape == (2, 4)
+    _, everything = task.run_method(make_cache(model, "streaming", budget=4096))
+    assert task.recall({"all": everything})["all"]["recall"] == 1.0
+    _, log = task.run_method(make_cache(model, "streaming", budget=16, divide_length=8))
+    result = task.recall({"x": log})["x"]
+    layer, head = 1, 1  # the second global layer (model layer 3), query head 1 (its sink logit is the largest)
+    kv = head // 2
+    sink = float(model.model.layers[3].self_attn.sinks[head])
+    kept = mass = 0.0
+    for qi, t in enumerate(reference.query_index.tolist()):
+        logits = (reference.keys[layer][0, kv, : t + 1] @ reference.queries[layer][0, head, qi]) * reference.scaling
+        probs = torch.softmax(torch.cat([logits, torch.tensor([sink])]), -1)[:-1].double()
+        visible = (t < log["evict_time"][layer, 0, kv, : t + 1].long()).double()
+        kept += float((probs * visible).sum())
+        mass += float(probs.sum())
+    assert mass < len(reference.query_index) - 1  # the sink takes a real share
+    assert result["recall_per_head"][layer][head] == pytest.approx(kept / mass, abs=1e-4)
