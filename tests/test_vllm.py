@@ -516,6 +516,18 @@ def test_bad_settings_are_refused_with_their_name():
         engine_args(method="triattention", stats="/nonexistent/stats.safetensors")
 
 
+def test_served_methods_declare_row_independent_scores(monkeypatch):
+    """A round scores every request due in a step together, so a method whose scores mix requests is not served."""
+    import trikv.vllm.settings as settings
+    from trikv.policies import REGISTRY, PolicyEntry, StreamingLLM
+
+    class Coupled(StreamingLLM):
+        scores_rows_independently = False
+
+    monkeypatch.setattr(settings, "REGISTRY", {**REGISTRY, "coupled": PolicyEntry("coupled", Coupled)})
+    assert "streaming" in settings.serving_methods() and "coupled" not in settings.serving_methods()
+
+
 def test_unsupported_vllm_version_is_refused():
     from trikv.vllm import SUPPORTED_VLLM, UnsupportedEngineError, check_vllm_version
 

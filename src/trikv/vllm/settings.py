@@ -21,7 +21,9 @@ class SettingsError(ValueError):
 
 def serving_methods() -> list[str]:
     """Registered methods that run inside vLLM: they score stored keys only (no queries, per-step statistics,
-    rewritten values or per-head budgets), so a round needs nothing but the request's keys and positions."""
+    rewritten values or per-head budgets), so a round needs nothing but the request's keys and positions, and
+    they declare that a request's scores depend on that request alone (`scores_rows_independently`): a round
+    scores every request due in the step together."""
     return [name for name, entry in REGISTRY.items() if name != "full" and _query_free(entry.policy_class)]
 
 
@@ -33,6 +35,7 @@ def _query_free(policy_class: type[Policy]) -> bool:
         and not policy_class.compacts
         and not policy_class.variable_budgets
         and not policy_class.needs_tokens
+        and policy_class.scores_rows_independently
     )
 
 
