@@ -595,12 +595,10 @@ def _panel(ax, budgets, lines, ylabel, title, logy=False):
         values = [lines[m][0][0] for m in names]
         errors = _errors(values, [lines[m][1][0] for m in names])
         colors = ["black" if m == "full" else f"C{i % 10}" for i, m in enumerate(names)]
-        ax.barh(names, values, xerr=errors, color=colors, alpha=0.8, capsize=3)
+        ax.barh(names, values, xerr=errors, color=colors, alpha=0.8, capsize=3)  # linear: full attention's 0 shows
         ax.invert_yaxis()
-        if logy:
-            ax.set_xscale("log")
-        ax.set_xlabel(f"{ylabel} (budget {budgets[0]}; bars: 95% interval)" if errors else f"{ylabel} (budget {budgets[0]})")
-        ax.set_title(title, fontsize=10)
+        ax.set_xlabel(f"{ylabel} (95% interval)" if errors else ylabel)
+        ax.set_title(f"{title}, budget {budgets[0]}", fontsize=10)
         ax.grid(alpha=0.3, axis="x")
         return
     for method, (values, intervals) in lines.items():
@@ -646,7 +644,7 @@ def plot_run(record: dict, out: Path) -> list[Path]:
             (table, lambda c: _with_interval(c, "kl"), "KL(full || method)", "Mean KL divergence", True),
             (table, lambda c: _with_interval(c, "perplexity_ratio") if "compressed" in c else c["perplexity"],
              "perplexity ratio" if any("compressed" in c for v in table.values() for c in v.values() if c) else "perplexity",
-             "Perplexity of the true next token", False),
+             "Perplexity (ratio to full)", False),
         ]))
     if "recall" in results:
         table = results["recall"]["methods"]
@@ -717,7 +715,7 @@ def _plot_composition(record: dict, out: Path, plt) -> Path | None:
         return None
     recall = record["results"].get("recall", {}).get("methods", {})
     kinds = ("prompt", "repeated", "other")
-    fig, axes = plt.subplots(len(budgets), 2, figsize=(11, 3.4 * len(budgets)), squeeze=False)
+    fig, axes = plt.subplots(len(budgets), 2, figsize=(11, 3.9 * len(budgets)), squeeze=False)
     for row, budget in zip(axes, budgets):
         methods = [m for m in _methods(record) if m != "full" and (_cell(table, m, budget) or {}).get("kept_composition")]
         bottom = [0.0] * len(methods)
@@ -728,7 +726,7 @@ def _plot_composition(record: dict, out: Path, plt) -> Path | None:
         row[0].set_xlim(0, 1)
         row[0].set_xlabel("share of the held entries after a round")
         row[0].set_title(f"what each method holds, budget {budget}", fontsize=10)
-        row[0].legend(fontsize=7, loc="lower right")
+        row[0].legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=len(COMPOSITION))
         width = 0.8 / len(kinds)
         for i, kind in enumerate(kinds):
             values = [((_cell(recall, m, budget) or {}).get("by_kind", {}).get(kind) or {}).get("recall", float("nan")) for m in methods]
@@ -737,7 +735,7 @@ def _plot_composition(record: dict, out: Path, plt) -> Path | None:
         row[1].set_yticklabels(methods)
         row[1].set_xlabel("recall of the key kind (keys already judged)")
         row[1].set_title(f"recall by key kind, budget {budget}", fontsize=10)
-        row[1].legend(fontsize=7, loc="lower right")
+        row[1].legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=len(kinds))
         row[1].grid(alpha=0.3, axis="x")
     fig.suptitle(f"{record['model']['name']}: what the methods keep", fontsize=11)
     fig.tight_layout()
