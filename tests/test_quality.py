@@ -753,9 +753,9 @@ def test_report_says_when_a_run_reused_units_of_earlier_invocations():
     assert _time_line({"wall_seconds": 90.0}) == "wall time 1.5 min (compute over all units 1.5 min)"
 
 
-def test_full_attention_is_drawn_as_a_visible_line_when_a_run_has_one_budget():
-    """With one budget a dashed line through the one point draws nothing; full attention's reference must
-    still span the panel at its value."""
+def test_full_attention_is_visible_whatever_the_number_of_budgets():
+    """With one budget each method is a bar (full attention's among them, at its value, with the interval as an
+    error bar); with several, full attention is a dashed line across the budgets."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -763,14 +763,18 @@ def test_full_attention_is_drawn_as_a_visible_line_when_a_run_has_one_budget():
 
     from trikv.benchmarks.quality.report import _panel
 
-    for budgets, lines in (([128], {"full": [0.43], "rkv": [0.28]}), ([64, 128], {"full": [0.43, 0.43], "rkv": [0.2, 0.28]})):
-        figure, ax = plt.subplots()
-        _panel(ax, budgets, lines, "pass@1", "math")
-        full = next(line for line in ax.get_lines() if line.get_label() == "full")
-        x_data, y_data = (list(map(float, data)) for data in full.get_data())
-        assert set(y_data) == {0.43}
-        assert len(set(x_data)) == 2, x_data  # two distinct ends: a visible segment
-        plt.close(figure)
+    figure, ax = plt.subplots()
+    _panel(ax, [128], {"full": ([0.43], [None]), "rkv": ([0.28], [[0.2, 0.35]])}, "pass@1", "math")
+    bars = {label.get_text(): patch.get_width() for label, patch in zip(ax.get_yticklabels(), ax.patches)}
+    assert bars == {"full": pytest.approx(0.43), "rkv": pytest.approx(0.28)}
+    plt.close(figure)
+    figure, ax = plt.subplots()
+    _panel(ax, [64, 128], {"full": ([0.43, 0.43], [None, None]), "rkv": ([0.2, 0.28], [None, None])}, "pass@1", "math")
+    full = next(line for line in ax.get_lines() if line.get_label() == "full")
+    x_data, y_data = (list(map(float, data)) for data in full.get_data())
+    assert set(y_data) == {0.43} and x_data == [64.0, 128.0]
+    assert full.get_linestyle() == "--"
+    plt.close(figure)
 
 
 def test_sign_test_matches_counting_every_outcome():
