@@ -216,6 +216,9 @@ def test_preregistered_outcome_is_computed_from_the_run():
     assert preregistration_lines(registration, [])[-1] == "Outcome: not run yet."
     assert "is **met**" in preregistration_lines(registration, [("held", record([1.0, 1.0, 1.0, 0.0]))])[-1]
     assert "is **not met**" in preregistration_lines(registration, [("held", record([0.0, 0.0, 1.0, 0.0]))])[-1]
+    # an interim result (fewer problems answered than registered) states no outcome
+    interim = preregistration_lines({**registration, "problems": 5}, [("held", record([1.0, 1.0, 1.0, 0.0]))])[-1]
+    assert interim.startswith("Interim, no outcome yet") and "met" not in interim and "on 4 problems" in interim
 
 
 # ---- reasoning traces ---------------------------------------------------------------------------------------

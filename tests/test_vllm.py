@@ -344,9 +344,13 @@ def test_chunked_prefill_preemption_and_abort_keep_working(real_model, engines_d
         "dtype": "float32", "trikv": _trikv_settings(),
         "engine": {"num_gpu_blocks_override": pool, "max_model_len": 288, "max_num_seqs": 8,
                    "enable_chunked_prefill": True, "max_num_batched_tokens": 64},
-        "batches": [{"prompts": requests, "max_tokens": new_tokens, "abort": {"after_steps": 30, "requests": aborted}}],
+        # the second batch's step tells the workers which requests of the first one ended
+        "batches": [{"prompts": requests, "max_tokens": new_tokens, "abort": {"after_steps": 30, "requests": aborted}},
+                    {"prompts": [requests[0][:5]], "max_tokens": 2}],
     })
     assert run["stats"][0]["preemptions"] > 0, "the pool was large enough: nothing was preempted"
+    # no per-request state outlives its request (finished, aborted or preempted): a long-running server stays bounded
+    assert run["stats"][0]["compacted_running"] == [] and run["stats"][0]["compacted_requests"] >= 6
     assert run["free_blocks_at_end"] == pool - 1  # finished, aborted and preempted requests returned every block
     stats = trikv.load_stats("smollm2-135m", model)
     replayed, resumed = [], []

@@ -205,8 +205,8 @@ def run_offline(spec: dict) -> dict:
 
 
 def _compacted(llm) -> set[str]:
-    """Ids (as the driver gave them) of the requests trikv has compacted at least once."""
-    return {request_id.split("-")[0] for request_id in llm.collective_rpc("trikv_stats")[0]["compacted"]}
+    """Ids (as the driver gave them) of the running requests trikv holds compacted (finished ones are dropped)."""
+    return {request_id.split("-")[0] for request_id in llm.collective_rpc("trikv_stats")[0]["compacted_running"]}
 
 
 def run_http(spec: dict) -> dict:

@@ -77,7 +77,7 @@ class Compactor:
         self.seconds = 0.0
         self.max_running = 0
         self.preemptions = 0
-        self.compacted: set[str] = set()  # every request compacted at least once
+        self.compacted_requests = 0  # first rounds run (a count; a request compacted again after a preemption counts again)
         self._warned_prompt = False
 
     def note_step(self, running: int, preemptions: int) -> None:
@@ -147,8 +147,9 @@ class Compactor:
         for layer, (codec, cache) in enumerate(zip(codecs, kv_caches)):
             codec.move(cache, table, order[layer], where(codec, cache))  # kept entries into slots [0, budget)
         for row, op in enumerate(rounds):
+            if op.request_id not in self.kept_positions:
+                self.compacted_requests += 1
             self.kept_positions[op.request_id] = kept_positions[:, row].clone()
-            self.compacted.add(op.request_id)
             if self.record:
                 self.records.append(RoundRecord(op.request_id, op.position, op.length, op.kept_blocks, op.freed_blocks,
                                                 op.free_blocks, op.held_blocks, kept_positions[:, row].cpu().clone()))

@@ -242,12 +242,14 @@ class TriKVWorker(_PlatformWorker):
 
     def trikv_stats(self) -> dict:
         """Rounds and time spent compacting on this worker; the most requests running at once and the
-        preemptions so far, as the scheduler reported them; the ids of the requests compacted so far."""
+        preemptions so far, as the scheduler reported them; how many requests were compacted, and the ids of those
+        running now with a compacted cache (finished and aborted requests are dropped, so the map stays bounded)."""
         compactor = getattr(self.model_runner, "trikv_compactor", None)
         if compactor is None:
             return {}
         return {"rounds": compactor.rounds, "seconds": compactor.seconds, "max_running": compactor.max_running,
-                "preemptions": compactor.preemptions, "compacted": sorted(compactor.compacted)}
+                "preemptions": compactor.preemptions, "compacted_requests": compactor.compacted_requests,
+                "compacted_running": sorted(compactor.kept_positions)}
 
 
 def local_kv_heads(num_kv_heads: int, rank: int, world: int) -> list[int]:

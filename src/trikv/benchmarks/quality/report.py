@@ -862,11 +862,17 @@ def preregistration_lines(preregistration: dict, named_records: list[tuple[str, 
         lines.append("Outcome: not run yet.")
         return lines
     gained, lost, better, worse = _paired(cell, other)
-    met = cell["pass@1"] >= other["pass@1"]
-    lines.append(f"Outcome: `{candidate}` {cell['pass@1']:.3f} vs `{baseline}` {other['pass@1']:.3f} on {cell['problems']} "
-                 f"problems ({100 * (cell['pass@1'] - other['pass@1']):+.1f} points; +{gained:g} / -{lost:g} problems, "
-                 f"two-sided sign test p {sign_test(better, worse):.2f}): the pre-registered hypothesis is "
-                 + ("**met**" if met else "**not met**") + ".")
+    shared = [problem for problem in cell["by_problem"] if problem in other["by_problem"]]
+    ours = sum(cell["by_problem"][q] for q in shared) / len(shared)
+    theirs = sum(other["by_problem"][q] for q in shared) / len(shared)
+    registered = preregistration.get("problems")
+    figures = (f"`{candidate}` {ours:.3f} vs `{baseline}` {theirs:.3f} on {len(shared)} problems "
+               f"({100 * (ours - theirs):+.1f} points; +{gained:g} / -{lost:g} problems, "
+               f"two-sided sign test p {sign_test(better, worse):.2f})")
+    if registered is not None and len(shared) < registered:  # judged only on the registered problems, all of them
+        lines.append(f"Interim, no outcome yet: {figures}; the test is judged when both have answered all {registered}.")
+        return lines
+    lines.append(f"Outcome: {figures}: the pre-registered hypothesis is " + ("**met**" if ours >= theirs else "**not met**") + ".")
     return lines
 
 
