@@ -8,56 +8,35 @@ import torch
 
 from trikv.vllm.pages import PageCodec
 
-# vLLM 0.32's KVCacheLayout: the physical (memory) order of the logical axes [L, B, H, N, C]
-LAYOUTS = {
-    "LBHNC": (0, 1, 2, 3, 4),
-    "LBNHC": (0, 1, 3, 2, 4),
-    "LHBNC": (0, 2, 1, 3, 4),
-    "BLHNC": (1, 0, 2, 3, 4),
-    "BLNHC": (1, 0, 3, 2, 4),
-    "BHLNC": (1, 2, 0, 3, 4),
-}
+from paged import LAYOUTS, write, write_transposed
+from paged import layer_views as paged_layer_views
+
 LAYERS, BLOCKS, HEADS, BLOCK, DIM = 3, 7, 2, 16, 8
 
 
-def layer_views(order: tuple[int, ...], dtype=torch.float32) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """One allocation viewed as [L, B, H, N, C] (C = keys then values) with the layout's memory order, and each
-    layer's [B, H, N, C] view (vLLM's `create_kv_cache_views`)."""
-    logical = (LAYERS, BLOCKS, HEADS, BLOCK, 2 * DIM)
-    strides = [0] * 5
-    step = 1
-    for axis in reversed(order):
-        strides[axis] = step
-        step *= logical[axis]
-    raw = torch.zeros(step, dtype=dtype)
-    view = raw.as_strided(logical, strides)
-    return raw, [view[layer] for layer in range(LAYERS)]
-
-
-def write(keys, values, cache, slots):
-    """The slow reference of an attention backend's KV write: token i at slot slots[i] (block, offset)."""
-    for i, slot in enumerate(slots.tolist()):
-        block, offset = divmod(slot, BLOCK)
-        cache[block, :, offset, :DIM] = keys[i]
-        cache[block, :, offset, DIM:] = values[i]
+def layer_views(order: tuple[int, ...], dtype=torch.float32):
+    return paged_layer_views(order, LAYERS, BLOCKS, HEADS, BLOCK, DIM, dtype)
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_every_layout_is_read_and_compacted_bitwise(layout):
+@pytest.mark.parametrize("pages", ["rows", "transposed keys"])
+def test_every_layout_is_read_and_compacted_bitwise(layout, pages):
     """A request's tokens written through the reference into out-of-order blocks of layer 1 are gathered exactly;
     moving a kept subset to the front leaves exactly those (position, key, value) in slots 0.. and every other
-    layer's bytes untouched."""
+    layer's bytes untouched; addressed by rows of D elements where a page stores them so, else per element."""
+    kv_write = {"rows": write, "transposed keys": write_transposed}[pages]
     raw, views = layer_views(LAYOUTS[layout])
     torch.manual_seed(0)
     raw.copy_(torch.randn(raw.shape))  # other layers hold their own data: none of it may change
     cache = views[1]
     assert layout == "LBHNC" or not cache.is_contiguous()  # the non-contiguous views that used to be refused
-    codec = PageCodec.learn(write, cache, HEADS, BLOCK, DIM)
+    codec = PageCodec.learn(kv_write, cache, HEADS, BLOCK, DIM)
+    assert codec.locate(torch.tensor([[0]]), cache).row_width == (DIM if pages == "rows" else 1)
     table = torch.tensor([[5, 1, 3]])
     length = 3 * BLOCK - 3
     keys, values = torch.randn(length, HEADS, DIM), torch.randn(length, HEADS, DIM)
     slots = table[0, torch.arange(length) // BLOCK] * BLOCK + torch.arange(length) % BLOCK
-    write(keys, values, cache, slots)
+    kv_write(keys, values, cache, slots)
     others = [views[layer].clone() for layer in (0, 2)]
     got_keys, got_values = codec.gather(cache, table)
     assert torch.equal(got_keys[0, :, :length], keys.transpose(0, 1))

@@ -14,6 +14,8 @@ real [D] weight vector per (layer, row, query head), so S_trig = keys @ W.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from .geometry import RopeGeometry
@@ -74,6 +76,14 @@ class TriScorer:
         self.norm_weight = (norm_weight / scale).view(self.num_layers, num_kv_heads, self.group, -1).transpose(-1, -2)
         self.fold = folded_offset_constant(geometry.omega, self.offsets)  # [F]
         self._device_cache: dict = {}
+
+    def for_layers(self, layers: slice) -> "TriScorer":
+        """The scorer of the layers `layers` alone (views of this one's per-layer weights)."""
+        part = copy.copy(self)
+        part.q_mean, part.norm_weight = self.q_mean[layers], self.norm_weight[layers]
+        part.num_layers = part.q_mean.shape[0]
+        part._device_cache = {}
+        return part
 
     def _on(self, device, dtype):
         key = (device, dtype)

@@ -74,6 +74,12 @@ class FastTriScorer(TriScorer):
         fast._clear_ahead()
         return fast
 
+    def for_layers(self, layers: slice) -> "FastTriScorer":
+        part = super().for_layers(layers)
+        part._clear_ahead()
+        part._ahead = None
+        return part
+
     # ---- the score --------------------------------------------------------------------------------
     def _magnitude(self, keys: torch.Tensor) -> torch.Tensor:
         """|k_f| per band: [..., N, D] -> [..., N, F] (hypot of strided views: no index copy)."""

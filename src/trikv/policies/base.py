@@ -77,6 +77,24 @@ class Policy:
     # saves up to a factor of the batch size
     scores_rows_independently: ClassVar[bool] = False
 
+    @property
+    def scores_layers_independently(self) -> bool:
+        """True when a layer's scores depend on that layer's keys alone, so a round may score a few layers at a
+        time (`for_layers`); False for rules that share one selection across layers."""
+        return False
+
+    def for_layers(self, layers: slice) -> "Policy":
+        """The policy restricted to the layers `layers` of its bound model (only when
+        `scores_layers_independently`): its `score` then takes contexts that hold those layers alone."""
+        if not self.scores_layers_independently:
+            raise ValueError(f"{self.name} shares its selection across layers; it scores all layers at once")
+        return self
+
+    def round_bytes_per_entry(self, head_dim: int, group: int, entries: int) -> int:
+        """Transient bytes `score` allocates per scored entry (layer, row, KV head, slot) when each (layer, row,
+        KV head) holds `entries` entries: what a round's memory cap is planned with."""
+        return 4 * head_dim + 16
+
     def bind(self, model: torch.nn.Module, shape: ModelShape) -> None:
         """Called once by the cache; validate against the model and precompute what scoring needs."""
 

@@ -24,6 +24,7 @@ class KnormPress(Policy):
     name = "knorm"
     rule = "keep the keys with the smallest L2 norm"
     scores_rows_independently = True
+    scores_layers_independently = True
     recent_window: int = 0
 
     def score(self, context: ScoringContext) -> torch.Tensor:

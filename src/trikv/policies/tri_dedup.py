@@ -45,6 +45,10 @@ class TriAttentionDedup(TriAttention):
         if not -1.0 <= self.similarity_threshold <= 1.0:
             raise ValueError(f"similarity_threshold is a cosine similarity in [-1, 1], got {self.similarity_threshold}")
 
+    def round_bytes_per_entry(self, head_dim: int, group: int, entries: int) -> int:
+        # plus one row of the N x N similarity (float32 values and recency, boolean masks)
+        return super().round_bytes_per_entry(head_dim, group, entries) + 16 * entries
+
     def score(self, context: ScoringContext) -> torch.Tensor:
         tri = super().score(context)  # [L, b, Hkv, N]
         if self.normalize:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -83,6 +84,20 @@ class TriAttention(Policy):
             weighted_norm=self.weighted_norm,
             offset_aggregation=self.offset_aggregation,
         )
+
+    @property
+    def scores_layers_independently(self) -> bool:
+        return not (self.shared_across_layers or self.union_selection)
+
+    def for_layers(self, layers: slice) -> "TriAttention":
+        super().for_layers(layers)  # refuses the modes that share a selection across layers
+        part = copy.copy(self)
+        part.scorer = self.scorer.for_layers(layers)
+        return part
+
+    def round_bytes_per_entry(self, head_dim: int, group: int, entries: int) -> int:
+        # float32 keys, band magnitudes, G scores per query head, their z-scores and the max over the group
+        return 4 * head_dim + 2 * head_dim + 12 * group + 16
 
     def score(self, context: ScoringContext) -> torch.Tensor:
         per_query_head = self.scorer.score(context.keys, context.current_position)  # [L, b, Hkv, G, N]

@@ -5,7 +5,8 @@ A layer's KV cache is a tensor whose first axis is the block; inside a block, th
 the CPU's instruction set (vLLM's CPU backend stores fp32 keys transposed per page, bf16 pages VNNI-tiled
 on AMX machines). `PageCodec` does not assume any of it: it learns the arrangement by writing coded
 tokens through the backend's own KV write (`impl.do_kv_cache_update`) into a one-block scratch copy and
-reading back where every code landed. It then gathers and scatters whole pages with one index per element.
+reading back where every code landed. It then gathers and scatters whole pages: one index per row of D elements where a (head, slot)'s
+elements are consecutive in memory, one per element otherwise.
 
 The learnt offsets are logical (element order of one block of the layer's view). vLLM 0.32 views every layer's
 cache as [blocks, H, N, C] over one shared allocation in one of six `KVCacheLayout`s (LBNHC, LBHNC, BLNHC,
@@ -89,35 +90,67 @@ class PageCodec:
             offsets[part] = table
         return cls(offsets["key"], offsets["value"], block_size)
 
-    def locate(self, block_table: torch.Tensor, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Storage index (from the cache's first element) of every key and every value element of the blocks
-        `block_table` [R, nb]: two [R, Hkv, nb N, D] long tensors, the same for every layer whose view has the
-        shape and strides of `kv_cache`."""
+    def locate(self, block_table: torch.Tensor, kv_cache: torch.Tensor) -> "Located":
+        """Where the keys and values of the blocks `block_table` [R, nb] lie in the cache's storage, the same for
+        every layer whose view has the shape and strides of `kv_cache`. Where a (head, slot)'s D elements are
+        consecutive in memory (every FlashAttention-style layout), one index per row of D elements: [R, Hkv, nb N]
+        rows of a [rows, D] view; otherwise (pages with keys transposed or tiled, as vLLM's CPU backend stores
+        them) one index per element: [R, Hkv, nb N, D]."""
         R, nb = block_table.shape
         H, N, D = self.key_offsets.shape
         starts = (block_table.to(self.key_offsets.device) * kv_cache.stride(0)).view(R, nb, 1, 1, 1)
-        return tuple(  # type: ignore[return-value]
-            (starts + _strided(offsets, kv_cache)[None, None]).permute(0, 2, 1, 3, 4).reshape(R, H, nb * N, D)
-            for offsets in (self.key_offsets, self.value_offsets)
-        )
+        in_page = [_strided(offsets, kv_cache) for offsets in (self.key_offsets, self.value_offsets)]  # [H, N, D] each
+        first = torch.cat([offsets[..., 0].flatten() for offsets in in_page])
+        residue = int(first[0]) % D
+        contiguous = all(torch.equal(offsets, offsets[..., :1] + torch.arange(D, device=offsets.device)) for offsets in in_page)
+        if contiguous and kv_cache.stride(0) % D == 0 and bool((first % D == residue).all()):
+            return Located(*(  # row numbers in the [rows, D] view that starts `residue` elements into the storage
+                ((starts[..., 0] + offsets[None, None, ..., 0] - residue) // D).permute(0, 2, 1, 3).reshape(R, H, nb * N)
+                for offsets in in_page), row_width=D, residue=residue)
+        return Located(*(
+            (starts + offsets[None, None]).permute(0, 2, 1, 3, 4).reshape(R, H, nb * N, D) for offsets in in_page
+        ))
 
     def gather(self, kv_cache: torch.Tensor, block_table: torch.Tensor, located=None, keys_only: bool = False):
         """Keys and values of `block_table` [R, nb] (block ids, row per request) -> two [R, Hkv, nb * N, D]
         (or the keys alone). `located`: `locate(...)` of these blocks, when the caller already has it."""
-        flat = _storage(kv_cache)
-        key_index, value_index = located if located is not None else self.locate(block_table, kv_cache)
-        keys = flat[key_index]
-        return keys if keys_only else (keys, flat[value_index])
+        located = located if located is not None else self.locate(block_table, kv_cache)
+        flat = located.view(kv_cache)
+        keys = flat[located.keys]
+        return keys if keys_only else (keys, flat[located.values])
 
     def move(self, kv_cache: torch.Tensor, block_table: torch.Tensor, order: torch.Tensor, located=None) -> None:
         """In place: slot i of every request and KV head takes the key and value of slot order[r, h, i]
         (order [R, Hkv, n], within the request's blocks `block_table` [R, nb]); slots past n are untouched."""
-        flat = _storage(kv_cache)
-        key_index, value_index = located if located is not None else self.locate(block_table, kv_cache)
-        n, D = order.shape[-1], key_index.shape[-1]
-        rows = order[..., None].expand(*order.shape, D)
-        for index in (key_index, value_index):
+        located = located if located is not None else self.locate(block_table, kv_cache)
+        flat = located.view(kv_cache)
+        n = order.shape[-1]
+        for index in (located.keys, located.values):
+            rows = order if located.row_width > 1 else order[..., None].expand(*order.shape, index.shape[-1])
             flat[index[:, :, :n]] = flat[index.gather(2, rows)]  # the right side is read whole before the write
+
+
+@dataclass
+class Located:
+    """Storage indices of a set of blocks' keys and values (see `PageCodec.locate`): rows of `row_width`
+    consecutive elements starting `residue` elements into the storage, or single elements (row_width 1)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    row_width: int = 1
+    residue: int = 0
+
+    def view(self, kv_cache: torch.Tensor) -> torch.Tensor:
+        """The storage as the indices address it: flat elements, or non-overlapping [rows, row_width] rows."""
+        flat = _storage(kv_cache)
+        if self.row_width == 1:
+            return flat
+        rows = (flat.numel() - self.residue) // self.row_width
+        return flat[self.residue :].as_strided((rows, self.row_width), (self.row_width, 1))
+
+    @property
+    def index_bytes(self) -> int:
+        return (self.keys.numel() + self.values.numel()) * self.keys.element_size()
 
 
 def _strided(offsets: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:

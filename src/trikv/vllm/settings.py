@@ -57,6 +57,8 @@ class BoundedKVSettings:
     options: dict = field(default_factory=dict)  # method options (e.g. {"recent_window": 8})
     allow_untested_platform: bool = False  # run on a vLLM platform other than CPU (tested here: CPU only)
     record_rounds: bool = False  # keep every round's kept positions (for tests: `LLM.collective_rpc("trikv_rounds")`)
+    # cap on a round's transient memory per worker (see `Compactor.chunk_bytes` for what it counts)
+    round_workspace_bytes: int = 256 * 2**20
 
     def __post_init__(self) -> None:
         if self.method == "full":
@@ -68,7 +70,7 @@ class BoundedKVSettings:
                 f"method {self.method!r} needs observed queries or per-step statistics and does not run inside vLLM; "
                 f"methods that do: {', '.join(serving_methods())}"
             )
-        for name in ("budget", "divide_length", "min_decode_room"):
+        for name in ("budget", "divide_length", "min_decode_room", "round_workspace_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "min_decode_room" else 1):
                 raise SettingsError(f"{name} must be a positive integer, got {value!r}")

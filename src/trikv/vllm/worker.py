@@ -205,6 +205,16 @@ class TriKVWorker(_PlatformWorker):
         if getattr(self, "trikv", None) is not None:
             self.model_runner.trikv_bind(self._trikv_compactor())
 
+    def determine_available_memory(self) -> int:
+        """vLLM's KV pool size less the rounds' workspace on accelerators, so that the memory profile stays true
+        (on CPU the KV space is a fixed setting and rounds use ordinary host memory)."""
+        available = super().determine_available_memory()
+        if getattr(self, "trikv", None) is None or current_platform.is_cpu():
+            return available
+        log.info("trikv: %.0f MiB of the KV pool reserved for compaction rounds (round_workspace_bytes)",
+                 self.trikv.round_workspace_bytes / 2**20)
+        return max(0, available - self.trikv.round_workspace_bytes)
+
     def initialize_from_config(self, *args, **kwargs):
         super().initialize_from_config(*args, **kwargs)
         if getattr(self, "trikv", None) is not None:
@@ -225,7 +235,8 @@ class TriKVWorker(_PlatformWorker):
             query_heads = torch.cat([torch.arange(g * shape.group_size, (g + 1) * shape.group_size) for g in kv_heads])
             policy.bind_geometry(RopeGeometry.from_config(hf_config), local_shape, query_heads)
             accelerate(policy)  # the same scores without per-element index copies
-        return Compactor(policy, settings.protect_prompt, settings.min_decode_room, record=settings.record_rounds)
+        return Compactor(policy, settings.protect_prompt, settings.min_decode_room, record=settings.record_rounds,
+                         round_workspace_bytes=settings.round_workspace_bytes)
 
     # ---- reports, through `LLM.collective_rpc` --------------------------------------------------------
     def trikv_rounds(self, clear: bool = False) -> list:
