@@ -4,17 +4,14 @@ here as vLLM's allocator builds them)."""
 
 from __future__ import annotations
 
-import json
-import tempfile
-
 import pytest
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from trikv.architectures import config_shape
 from trikv.fast import accelerate
 from trikv.geometry import RopeGeometry
 from trikv.policies import make_policy
+from trikv.benchmarks.gpu_check import cpu_transient_bytes
 from trikv.vllm.compactor import CompactionOp, Compactor
 from trikv.vllm.pages import PageCodec
 
@@ -74,19 +71,6 @@ def run_round(policy, tiny, lengths, cap, protect_prompt=True):
     return compactor, caches, codecs, block_ids, written
 
 
-def transient_bytes(action) -> int:
-    """Most bytes held at once by tensors allocated inside `action`, less what it leaves allocated (the kept
-    positions a compactor remembers per request), from the CPU allocator's own records."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        action()
-    with tempfile.NamedTemporaryFile(suffix=".json") as handle:
-        prof.export_chrome_trace(handle.name)
-        events = [e for e in json.load(open(handle.name))["traceEvents"] if e.get("name") == "[memory]"]
-    events.sort(key=lambda e: e["ts"])
-    totals = [e["args"]["Total Allocated"] for e in events]
-    return max(totals, default=0) - (totals[-1] if totals else 0)
-
-
 MIXES = {"1 due": [BUDGET + SLACK], "8 due": [BUDGET + SLACK] * 8, "32 due": [BUDGET + SLACK] * 32,
          "a long prompt among short ones": [BUDGET + SLACK] * 6 + [1500]}
 
@@ -143,9 +127,23 @@ def test_a_round_stays_under_its_memory_cap(tiny, mix):
     cap = CAPS[mix]
     caches, codecs, block_ids, _, rounds = paged_requests(tiny, MIXES[mix])
     capped = Compactor(policy, True, 8, round_workspace_bytes=cap)
-    transient = transient_bytes(lambda: capped.run(rounds, caches, codecs, block_ids))
+    transient = cpu_transient_bytes(lambda: capped.run(rounds, caches, codecs, block_ids))
     assert transient <= cap, f"{mix}: {transient} transient bytes over the cap of {cap}"
     if mix != "1 due":
         caches, codecs, block_ids, _, rounds = paged_requests(tiny, MIXES[mix])
         uncapped = Compactor(policy, True, 8, round_workspace_bytes=UNCAPPED)
-        assert transient_bytes(lambda: uncapped.run(rounds, caches, codecs, block_ids)) > cap
+        assert cpu_transient_bytes(lambda: uncapped.run(rounds, caches, codecs, block_ids)) > cap
+
+
+def test_gpu_check_runs_at_toy_shapes_on_cpu(capsys):
+    """`scripts/gpu_check.sh` (here `--small --device cpu`): every layout bitwise, the round under its cap,
+    the transformers cache exact without eviction and the lean engine equal to it under eviction."""
+    from trikv.benchmarks.gpu_check import main
+
+    report = main(["--device", "cpu", "--small", "--workspace", str(512 * 1024)])
+    assert set(report["page_codec"]) == {"LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC"}
+    assert all(r["bitwise"] and r["row_index"] for r in report["page_codec"].values())
+    assert report["round"]["within_cap"] and report["round"]["chunks"] > 1
+    assert report["transformers"]["no_eviction_equals_transformers"]
+    assert report["transformers"]["lean_equals_transformers_under_eviction"]
+    assert report["passed"]
