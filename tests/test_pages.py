@@ -25,9 +25,10 @@ def test_every_layout_is_read_and_compacted_bitwise(layout, pages):
     moving a kept subset to the front leaves exactly those (position, key, value) in slots 0.. and every other
     layer's bytes untouched; addressed by rows of D elements where a page stores them so, else per element."""
     kv_write = {"rows": write, "transposed keys": write_transposed}[pages]
-    raw, views = layer_views(LAYOUTS[layout])
+    views = layer_views(LAYOUTS[layout])
     torch.manual_seed(0)
-    raw.copy_(torch.randn(raw.shape))  # other layers hold their own data: none of it may change
+    for view in views:  # other layers hold their own data: none of it may change
+        view.copy_(torch.randn(view.shape))
     cache = views[1]
     assert layout == "LBHNC" or not cache.is_contiguous()  # the non-contiguous views that used to be refused
     codec = PageCodec.learn(kv_write, cache, HEADS, BLOCK, DIM)
@@ -56,7 +57,7 @@ def test_every_layout_is_read_and_compacted_bitwise(layout, pages):
 def test_a_layout_the_codec_cannot_read_is_refused_with_a_message():
     """A write that stores every token in one place (no distinct offset per element) is refused at learning time,
     which runs at engine start-up."""
-    _, views = layer_views(LAYOUTS["LBNHC"])
+    views = layer_views(LAYOUTS["LBNHC"])
 
     def broken(keys, values, cache, slots):
         cache[0, :, 0, :DIM] = keys[0]

@@ -44,7 +44,7 @@ def paged_requests(tiny, lengths: list[int], seed: int = 0):
     model, _ = tiny
     shape = config_shape(model.config)
     L, H, D = len(shape.cached_layers), shape.num_kv_heads, shape.head_dim
-    _, caches = layer_views(LAYOUTS["LBNHC"], L, BLOCKS, H, BLOCK, D)
+    caches = layer_views(LAYOUTS["LBNHC"], L, BLOCKS, H, BLOCK, D)
     codec = PageCodec.learn(write, caches[0], H, BLOCK, D)
     generator = torch.Generator().manual_seed(seed)
     free = torch.randperm(BLOCKS, generator=generator).tolist()
