@@ -361,3 +361,24 @@ def test_analysis_centres_agree_with_calibration():
     assert torch.allclose(mine.k_mean, stats.k_mean, atol=1e-5)
     R = concentration(mine.q_mean, mine.q_abs_mean, mine.k_mean, mine.k_abs_mean)["q_head_R_plain"]
     assert torch.allclose(R, stats.head_concentration(), atol=1e-5)
+
+
+def test_docs_update_replaces_only_the_rerun_models():
+    """`python -m trikv.analysis.docs --update`: the rerun model's overview row and section are replaced, a new
+    model is added, and the other models' rows and sections stay as they were generated."""
+    from trikv.analysis.docs import merge_pages
+
+    def page(rows: dict[str, str]) -> str:
+        lines = ["# title", "", "intro", "", "## Overview", "", "| model | R |", "|---|---|"]
+        lines += [f"| {name} | {value} |" for name, value in rows.items()] + ["", "## How to read these numbers", "", "- notes", ""]
+        for name, value in rows.items():
+            lines += [f"## {name}", "", f"section of {name}: {value}", ""]
+        return "\n".join(lines)
+
+    old = page({"a": "1", "b": "2", "c": "3"})
+    merged = merge_pages(old, page({"b": "new", "d": "40"}))
+    assert "| a | 1 |" in merged and "| b | new |" in merged and "| c | 3 |" in merged and "| d | 40 |" in merged
+    assert "| b | 2 |" not in merged and "section of b: 2" not in merged
+    assert merged.index("| a |") < merged.index("| b |") < merged.index("| c |") < merged.index("| d |")
+    assert merged.index("## a") < merged.index("## b") < merged.index("## c") < merged.index("## d")
+    assert "section of a: 1" in merged and "section of b: new" in merged and merged.count("## How to read") == 1

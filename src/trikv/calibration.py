@@ -321,7 +321,7 @@ def calibrate(
     chunks = list(token_ids.split(chunk_tokens))
     with capture_pre_rope(model, accumulator.add):
         for chunk in tqdm(chunks, desc="calibrating", unit="chunk", disable=not progress):
-            model(input_ids=chunk[None].to(device), use_cache=False)
+            model(input_ids=chunk[None].to(device), use_cache=False, logits_to_keep=1)  # queries only: no vocabulary-wide logits
     metadata = stats_metadata(model, int(token_ids.numel()), source, model_name, layers)
     return accumulator.finish(metadata)
 

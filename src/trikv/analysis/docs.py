@@ -53,7 +53,9 @@ def _overview_row(result: dict) -> str:
     )
 
 
-def write_docs(json_paths: list[str | Path], out: str | Path, title: str = "Q/K concentration analysis of the bundled models") -> Path:
+def write_docs(json_paths: list[str | Path], out: str | Path, title: str = "Q/K concentration analysis of the bundled models",
+               update: bool = False) -> Path:
+    """Write the page for these runs; with `update`, replace or add only their models in the existing page."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     assets = out.with_suffix("")  # docs/analysis.md -> docs/analysis/
@@ -119,16 +121,65 @@ def write_docs(json_paths: list[str | Path], out: str | Path, title: str = "Q/K 
             if file and (path.parent / file).is_file():
                 shutil.copyfile(path.parent / file, target / file)
                 lines += [f"![{key.replace('_', ' ')}]({assets.name}/{target.name}/{file})", ""]
-    out.write_text("\n".join(lines))
+    text = "\n".join(lines)
+    if update and out.exists():
+        text = merge_pages(out.read_text(), text)
+    out.write_text(text)
     return out
+
+
+def _split(text: str) -> tuple[list[str], dict[str, list[str]]]:
+    """A page -> (lines before the first '## ' section, {section title: its lines, title line included})."""
+    head, sections, current = [], {}, None
+    for line in text.split("\n"):
+        if line.startswith("## "):
+            current = line[3:].strip()
+            sections[current] = []
+        (head if current is None else sections[current]).append(line)
+    return head, sections
+
+
+def _overview_rows(section: list[str]) -> dict[str, str]:
+    """Model name -> its row of the overview table."""
+    rows = {}
+    for line in section:
+        cells = [cell.strip() for cell in line.strip("|").split("|")] if line.startswith("| ") else []
+        if cells and cells[0] not in ("model",) and not set(cells[0]) <= set("-"):
+            rows[cells[0]] = line
+    return rows
+
+
+def merge_pages(old: str, new: str) -> str:
+    """The page `old` with the models of `new` replaced (overview row and section) or added: regenerating one
+    model's analysis leaves the sections of the models not rerun as they were generated."""
+    old_head, old_sections = _split(old)
+    _, new_sections = _split(new)
+    rows = _overview_rows(old_sections.get("Overview", []))
+    rows.update(_overview_rows(new_sections.get("Overview", [])))
+    overview, placed = [], False
+    for line in new_sections["Overview"]:
+        if line.startswith("| ") and line.split("|")[1].strip() in rows:
+            if not placed:
+                overview += list(rows.values())
+                placed = True
+            continue
+        overview.append(line)
+    merged = dict(old_sections)
+    merged["Overview"] = overview
+    for title, section in new_sections.items():
+        if title != "Overview":
+            merged[title] = section
+    return "\n".join(old_head + [line for section in merged.values() for line in section])
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trikv.analysis.docs", description=__doc__)
     parser.add_argument("json", nargs="+", help="analysis.json files of `trikv analyze` runs")
     parser.add_argument("--out", default="docs/analysis.md", help="Markdown page to write (plots go to a folder of the same name)")
+    parser.add_argument("--update", action="store_true",
+                        help="replace or add only these runs' models in the existing page, keeping the other models' sections")
     args = parser.parse_args(argv)
-    print(write_docs(args.json, args.out))
+    print(write_docs(args.json, args.out, update=args.update))
     return 0
 
 

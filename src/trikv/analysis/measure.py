@@ -154,7 +154,7 @@ def measure_chunks(model, shape: AnalysisShape, chunks: list[torch.Tensor], dist
     with capture_qk(model, accumulator.add):
         for i, chunk in enumerate(chunks):
             accumulator.query_quota = quota if i in hosts else 0
-            model(input_ids=chunk[None].to(device), use_cache=False)
+            model(input_ids=chunk[None].to(device), use_cache=False, logits_to_keep=1)  # queries only: no vocabulary-wide logits
             if bar is not None:
                 bar.update(int(chunk.numel()))
     return accumulator.finish()
@@ -176,7 +176,7 @@ def sample_head_vectors(model, shape: AnalysisShape, chunk: torch.Tensor, layer:
 
     device = next(model.parameters()).device
     with capture_qk(model, grab):
-        model(input_ids=chunk[None].to(device), use_cache=False)
+        model(input_ids=chunk[None].to(device), use_cache=False, logits_to_keep=1)  # queries only: no vocabulary-wide logits
     n = kept["q_pre"].shape[0]
     positions = torch.unique(torch.linspace(0, n - 1, steps=min(n, max_points)).round().long())
     out = {"positions": positions.tolist(), "bands": list(bands)}
