@@ -24,8 +24,7 @@ NOTES = [
     "frequencies (local base 10,000, global base 1,000,000 for Gemma3).",
     "- The weights are the 4-bit GGUF packages dequantised to float32, not the original bf16 checkpoints; the texts "
     "are short (about 2-3K tokens each, distances up to 1,024), far less than the paper's calibration sets.",
-    "- Wall times were measured on a shared 2-core CPU while other jobs were running; they show the order of "
-    "magnitude only.",
+    "- Wall times were measured on a 2-core CPU; they show the order of magnitude only.",
     "",
 ]
 
