@@ -24,19 +24,25 @@ trikv bench quality --task fidelity --model qwen2.5-coder-1.5b --traces design -
   --methods full,triattention,triattention-recent,triattention-dedup,triattention-dedup-only,triattention-shared-layers,rkv,rkv-importance-only,snapkv-decode \
   --horizons 128,512,1024 --recall-stride 8 --dtype bfloat16 --threads 2 --no-progress --out runs/quality/qwen2.5-coder-1.5b-design
 # 3. the pre-registered held-out test (docs/preregistration.json): MATH-500 rows 300-399, B = 128, greedy, 1,024 tokens;
-# one process per method (~25-35 min each), the last invocation collects the cells
-heldout=(--task math --model qwen2.5-coder-1.5b --budgets 128 --samples 1 --math-batch 32 --temperature 0 --max-new-tokens 1024
-         --problems "$(python -c "print(','.join(f'math500-{i}' for i in range(300, 400)))")"
-         --dtype bfloat16 --threads 2 --no-progress --out runs/quality/qwen2.5-coder-1.5b-heldout)
+# in chunks of 32 problems (the batches of one 100-problem run), the candidate and R-KV first; every finished chunk is
+# saved, so the run can be split over sittings (~10-12 min per method and chunk)
 candidate=$(python -c "import json; print(json.load(open('docs/preregistration.json'))['candidate'])")
-for method in triattention $candidate rkv snapkv; do trikv bench quality "${heldout[@]}" --methods full,$method; done
-trikv bench quality "${heldout[@]}" --methods full,triattention,$candidate,rkv,snapkv
+for methods in "$candidate rkv" "full triattention snapkv"; do
+  for end in 332 364 396 400; do
+    for method in $methods; do
+      trikv bench quality --task math --model qwen2.5-coder-1.5b --budgets 128 --samples 1 --math-batch 32 --temperature 0 \
+        --max-new-tokens 1024 --problems "$(python -c "print(','.join(f'math500-{i}' for i in range(300, $end)))")" \
+        --dtype bfloat16 --threads 2 --no-progress --out runs/quality/qwen2.5-coder-1.5b-heldout --methods $method
+    done
+  done
+done
 # 4. fidelity and recall on each model's evaluation traces, the whole field (~1-2 h each)
 field=full,triattention,triattention-shared-layers,triattention-window,triattention-recent,triattention-dedup,rkv,snapkv,snapkv-decode,h2o,streaming,tova,tam-shared
 traces=(--task fidelity --traces evaluation --horizons 128,512,1024 --recall-stride 8 --threads 2 --no-progress --methods $field)
 trikv bench quality "${traces[@]}" --model smollm2-135m --budgets 128,256 --out runs/quality/smollm2-135m-traces
 trikv bench quality "${traces[@]}" --model qwen2.5-coder-0.5b --budgets 128,256 --dtype bfloat16 --out runs/quality/qwen2.5-coder-0.5b-traces
 trikv bench quality "${traces[@]}" --model qwen2.5-coder-1.5b --budgets 128 --dtype bfloat16 --out runs/quality/qwen2.5-coder-1.5b-traces
+# Gemma-3-270M: ~4 min per method and budget (its 262K-token vocabulary makes each KL costly)
 trikv bench quality --task fidelity --model gemma3-270m --traces evaluation --budgets 128,256 \
   --methods full,triattention,rkv,snapkv,streaming,h2o --horizons 128,512,1024 --recall-stride 8 --threads 2 --no-progress \
   --out runs/quality/gemma3-270m-traces
@@ -44,7 +50,7 @@ trikv bench quality --task fidelity --model gemma3-270m --traces evaluation --bu
 trikv bench report runs/quality/qwen2.5-coder-1.5b-traces runs/quality/qwen2.5-coder-0.5b-traces runs/quality/smollm2-135m-traces \
   runs/quality/gemma3-270m-traces runs/quality/qwen2.5-coder-1.5b-heldout runs/quality/qwen2.5-coder-1.5b-design \
   --preregistration docs/preregistration.json --earlier docs/results-earlier.md --out docs/results.md
-# Q/K concentration of every bundled model (global vs sliding layers for Gemma-3; ~45 min in all)
+# Q/K concentration of every bundled model (global vs sliding layers for Gemma-3; ~3 min in all)
 for model in smollm2-135m gemma3-270m qwen2.5-coder-0.5b qwen2.5-coder-1.5b; do
   trikv analyze --model $model --out runs/analysis/$model --no-progress
 done
