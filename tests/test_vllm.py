@@ -79,20 +79,28 @@ def _trikv_settings(method="triattention", **extra):
     return settings
 
 
+OWN_BUDGET = 48  # a request's own budget (extra_args), below the server's
+
+
 @pytest.fixture(scope="module")
 def fp32_run(engines_dir, prompts):
-    return run_engine(engines_dir, "fp32", {"dtype": "float32", "trikv": _trikv_settings(), "engine": {"num_gpu_blocks_override": POOL},
-                                            "batches": [{"prompts": prompts, "max_tokens": NEW_TOKENS}]})
+    """The prompts at the server's budget; then, in a second batch, the longest prompt twice: once with its own
+    budget, once with full attention (both chosen through `extra_args`)."""
+    own_choices = [{"trikv_budget": OWN_BUDGET}, {"trikv_budget": "full"}]
+    return run_engine(engines_dir, "fp32", {
+        "dtype": "float32", "trikv": _trikv_settings(allow_full_requests=True), "engine": {"num_gpu_blocks_override": POOL},
+        "batches": [{"prompts": prompts, "max_tokens": NEW_TOKENS},
+                    {"prompts": [prompts[2], prompts[2]], "max_tokens": 60, "extra_args": own_choices}]})
 
 
 def _rounds_of(result: dict, request_id: str, rank: int = 0) -> list[dict]:
     return [r for r in result["rounds"][rank] if r["request_id"].split("-")[0] == request_id]
 
 
-def replay(model, method: str, request: dict, rounds: list[dict], tie: float, stats=None) -> dict:
+def replay(model, method: str, request: dict, rounds: list[dict], tie: float, stats=None, budget: int = BUDGET) -> dict:
     """Feed the request's tokens through trikv's transformers cache with vLLM's budget; check each round's
     vLLM kept set against the cache's own scores; return counts and the teacher-forced greedy predictions."""
-    cache = trikv.make_cache(model, method, budget=BUDGET, divide_length=SLACK, **({"stats": stats} if stats else {}))
+    cache = trikv.make_cache(model, method, budget=budget, divide_length=SLACK, **({"stats": stats} if stats else {}))
     policy = cache.policy
     inner_score = policy.score
     report = {"rounds": 0, "heads": 0, "tied_heads": 0, "max_tie": 0.0}
@@ -106,8 +114,8 @@ def replay(model, method: str, request: dict, rounds: list[dict], tie: float, st
         judged = scores.float().masked_fill(context.protected, float("inf")).masked_fill(context.positions < 0, float("-inf"))[:, 0]
         positions = context.positions[:, 0]  # [L, Hkv, N]
         in_expected = (positions[..., None] == expected[:, :, None, :]).any(-1)  # [L, Hkv, N]
-        assert bool((in_expected.sum(-1) == BUDGET).all()), "vLLM kept positions the cache does not hold"
-        cut = judged.topk(BUDGET, dim=-1).values[..., -1:]  # the B-th best score per (layer, head)
+        assert bool((in_expected.sum(-1) == budget).all()), "vLLM kept positions the cache does not hold"
+        cut = judged.topk(budget, dim=-1).values[..., -1:]  # the B-th best score per (layer, head)
         finite = torch.isfinite(judged)
         count = finite.sum(-1, keepdim=True).clamp_min(1)
         mean = judged.masked_fill(~finite, 0).sum(-1, keepdim=True) / count
@@ -158,7 +166,8 @@ def test_eviction_keeps_what_transformers_keeps_fp32(real_model, fp32_run):
 
 
 def test_memory_after_each_round(fp32_run):
-    rounds = fp32_run["rounds"][0]
+    first_batch = {r["request_id"] for r in fp32_run["batches"][0]["requests"]}
+    rounds = [r for r in fp32_run["rounds"][0] if r["request_id"].split("-")[0] in first_batch]
     assert rounds
     limit = math.ceil((BUDGET + SLACK) / BLOCK)
     for record in rounds:
@@ -180,6 +189,23 @@ def untouched_runs(engines_dir, prompts):
                                      "large-budget": {"dtype": "float32", "batches": batches,
                                                       "trikv": {**_trikv_settings(), "budget": 4096}}})
     return runs["plain"], runs["large-budget"]
+
+
+def test_requests_choose_their_own_budget_or_full_attention(real_model, fp32_run, untouched_runs):
+    """A request with `extra_args={"trikv_budget": 48}` keeps 48 entries per (layer, KV head) - the set the
+    transformers path keeps at B = 48 - and holds the blocks of 48; one with "full" is never compacted and emits
+    plain vLLM's tokens."""
+    model, _ = real_model
+    own, full = fp32_run["batches"][1]["requests"]
+    rounds = _rounds_of(fp32_run, own["request_id"])
+    assert len(rounds) >= 2 and all(len(r["kept_positions"][0][0]) == OWN_BUDGET for r in rounds)
+    assert all(r["kept_blocks"] == math.ceil(OWN_BUDGET / BLOCK) for r in rounds)
+    assert rounds[1]["length"] == OWN_BUDGET + SLACK  # its own trigger: budget + slack
+    report = replay(model, "triattention", own, rounds, tie=1e-3, stats=trikv.load_stats("smollm2-135m", model), budget=OWN_BUDGET)
+    assert report["tied_heads"] == 0 and report["predictions"] == own["tokens"]
+    assert _rounds_of(fp32_run, full["request_id"]) == []
+    plain, _ = untouched_runs
+    assert full["tokens"] == plain["batches"][0]["requests"][2]["tokens"]
 
 
 def test_budget_above_every_request_equals_plain_vllm(untouched_runs):
@@ -455,14 +481,20 @@ def _free_port() -> int:
 
 
 def test_http_server_streams_a_chat_completion_with_the_bounded_cache(tmp_path):
+    """`trikv serve` streams a chat completion with the bounded cache; over the official `openai` client a request
+    chooses its own budget within the server's limits, and a budget outside them, full attention on a server that
+    does not allow it, and beam search get HTTP 400 with the reason."""
     import time
     import urllib.request
+
+    import openai
 
     from trikv.benchmarks.serving_engine import stop_server
 
     port = _free_port()
     log_path = tmp_path / "server.log"
     command = [sys.executable, "-m", "trikv.cli", "serve", "--budget", str(BUDGET), "--divide-length", str(SLACK), "--port", str(port),
+               "--max-request-budget", "96",
                "--", "--dtype", "float32", "--max-model-len", "1024", "--block-size", str(BLOCK), "--enforce-eager"]
     with open(log_path, "w") as log:
         server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
@@ -492,6 +524,24 @@ def test_http_server_streams_a_chat_completion_with_the_bounded_cache(tmp_path):
                     if delta.get("content"):
                         chunks.append(delta["content"])
         assert len(chunks) > 50 and "".join(chunks).strip()
+        assert f"-> {BUDGET} entries per KV head" in log_path.read_text()
+
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=300)
+        chat = dict(model="smollm2-135m", max_tokens=100, temperature=0,
+                    messages=[{"role": "user", "content": "Describe the sea at night."}])
+        answer = client.chat.completions.create(**chat, extra_body={"min_tokens": 100, "vllm_xargs": {"trikv_budget": 40}})
+        assert answer.usage.completion_tokens == 100
+        assert "-> 40 entries per KV head" in log_path.read_text()  # its own budget, below the server's
+        refusals = {"outside this server's limits [1, 96]": {"vllm_xargs": {"trikv_budget": 500}},
+                    "must be an integer number of KV entries": {"vllm_xargs": {"trikv_budget": "lots"}},
+                    "does not run requests with full attention": {"vllm_xargs": {"trikv_budget": "full"}},
+                    "beam search is not supported": {"use_beam_search": True, "n": 2}}
+        for reason, extra_body in refusals.items():
+            with pytest.raises(openai.BadRequestError) as refused:
+                client.chat.completions.create(**chat, extra_body=extra_body)
+            assert refused.value.status_code == 400 and reason in str(refused.value), str(refused.value)
+        assert server.poll() is None  # refusals leave the server serving
+        assert client.chat.completions.create(**{**chat, "max_tokens": 5}).usage.completion_tokens <= 5
     finally:
         stop_server(server)
     assert "trikv: request" in log_path.read_text() and "compacted at" in log_path.read_text()
@@ -524,6 +574,51 @@ def test_bad_settings_are_refused_with_their_name():
         engine_args(method="streaming", sinks_count=3)
     with pytest.raises(ValueError, match="no statistics file"):
         engine_args(method="triattention", stats="/nonexistent/stats.safetensors")
+
+
+def test_request_budget_limits_and_refusals():
+    """A request's own budget: the server's by default, its own within [window + 1, max_request_budget], "full" only
+    where allowed; streaming-input sessions and beam search are refused in vLLM's frontend with the reason."""
+    from vllm import SamplingParams
+    from vllm.exceptions import VLLMValidationError
+    from vllm.sampling_params import BeamSearchParams
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    from trikv.vllm import BoundedKVSettings, RequestSettingsError, SettingsError, engine_args
+    from trikv.vllm.frontend import check_request
+
+    recent = dict(method="triattention-recent", stats="smollm2-135m", budget=64)  # a 32-token recent window
+    settings = BoundedKVSettings(**recent, max_request_budget=128)
+    assert settings.request_budget(None) == settings.request_budget({}) == 64
+    assert settings.request_budget({"trikv_budget": 33}) == 33 and settings.request_budget({"trikv_budget": 128}) == 128
+    for choice, reason in [(32, r"outside this server's limits \[33, 128\]"), (129, "outside"), ("full", "allow_full_requests"),
+                           (True, "must be an integer"), (64.0, "must be an integer"), ("64", "must be an integer")]:
+        with pytest.raises(RequestSettingsError, match=reason):
+            settings.request_budget({"trikv_budget": choice})
+    assert BoundedKVSettings(method="knorm", budget=64, allow_full_requests=True).request_budget({"trikv_budget": "full"}) is None
+    with pytest.raises(RequestSettingsError, match=r"\[1, 64\].*at most budget"):
+        BoundedKVSettings(method="knorm", budget=64).request_budget({"trikv_budget": 65})
+    for bad, reason in [({"max_request_budget": 0}, "max_request_budget must be a positive integer"),
+                        ({"max_request_budget": 32}, "max_request_budget 32 is not larger than the protected recent window"),
+                        ({"allow_full_requests": "yes"}, "allow_full_requests must be true or false")]:
+        with pytest.raises(SettingsError, match=reason):
+            BoundedKVSettings(**recent, **bad)
+    with pytest.raises(VLLMValidationError, match="streaming-input sessions are not supported"):
+        check_request(settings, SamplingParams(), resumable=True)
+
+    # through vLLM's own InputProcessor, as the API server runs it
+    processor = InputProcessor(_engine_config(**engine_args(method="knorm", budget=64)))
+    prompt = {"type": "token", "prompt_token_ids": [1, 2, 3]}
+    assert processor.process_inputs("ok", prompt, SamplingParams(max_tokens=4, extra_args={"trikv_budget": 32}), ("generate",))
+    with pytest.raises(VLLMValidationError, match="outside this server's limits"):
+        processor.process_inputs("big", prompt, SamplingParams(max_tokens=4, extra_args={"trikv_budget": 65}), ("generate",))
+    with pytest.raises(VLLMValidationError, match="streaming-input sessions"):
+        processor.process_inputs("stream", prompt, SamplingParams(max_tokens=4), ("generate",), resumable=True)
+    with pytest.raises(VLLMValidationError, match="beam search is not supported"):
+        processor.resolve_watermarking(BeamSearchParams(beam_width=2, max_tokens=4))
+    plain = InputProcessor(_engine_config())  # an engine without trikv settings is not affected
+    assert plain.process_inputs("plain", prompt, SamplingParams(max_tokens=4, extra_args={"trikv_budget": 10**6}), ("generate",))
+    plain.resolve_watermarking(BeamSearchParams(beam_width=2, max_tokens=4))
 
 
 def test_served_methods_declare_row_independent_scores(monkeypatch):

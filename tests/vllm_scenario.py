@@ -4,8 +4,8 @@ Each engine runs in a fresh interpreter, which keeps the test process free of vL
 "trikv": settings for trikv.vllm.engine_args or null (plain vLLM), "engine": extra vllm.LLM arguments, "env":
 environment variables, "in_process": engine core and worker inside this interpreter (default; false runs
 vLLM's usual separate processes, which tensor parallelism needs), "batches": [{"prompts": [token id lists],
-"max_tokens", "min_tokens", optional "abort": {"after_steps", "requests": [indices]}: the engine is then stepped by
-hand and those requests are aborted}]}. RESULT: per batch the prompt and generated token ids of every request, then
+"max_tokens", "min_tokens", optional "extra_args": [one SamplingParams.extra_args per prompt], optional "abort":
+{"after_steps", "requests": [indices]}: the engine is then stepped by hand and those requests are aborted}]}. RESULT: per batch the prompt and generated token ids of every request, then
 every rank's round records and statistics (in-process: the pool's free blocks at the end).
 """
 
@@ -39,6 +39,10 @@ def main(spec_path: str, result_path: str) -> None:
     for batch in spec["batches"]:
         params = SamplingParams(max_tokens=batch["max_tokens"], min_tokens=batch.get("min_tokens", batch["max_tokens"]),
                                 temperature=0.0, ignore_eos=True)
+        if "extra_args" in batch:  # per-request choices (a request's own trikv budget)
+            params = [params.clone() for _ in batch["prompts"]]
+            for request_params, extra_args in zip(params, batch["extra_args"]):
+                request_params.extra_args = extra_args
         started = time.perf_counter()
         if "abort" in batch:
             requests = _step_with_aborts(llm, batch, params, TokensPrompt)

@@ -14,6 +14,11 @@ Everything goes through vLLM's own extension points: a scheduler class (`schedul
 (`worker_cls`) and the settings in `additional_config["trikv"]`. Without them vLLM runs untouched. Methods:
 `trikv.vllm.serving_methods()` (TriAttention and its ablations, StreamingLLM, Knorm). Supported vLLM:
 `SUPPORTED_VLLM`; see `support.py` for the features that are refused.
+
+A request may choose its own budget, or full attention, within the server's limits (`max_request_budget`,
+`allow_full_requests`): `SamplingParams(extra_args={"trikv_budget": 512})`, or over HTTP
+`extra_body={"vllm_xargs": {"trikv_budget": 512}}` (`"full"` for full attention); a value outside the limits,
+beam search and streaming-input sessions get HTTP 400 with the reason (`frontend.py`).
 """
 
 from __future__ import annotations
@@ -21,8 +26,11 @@ from __future__ import annotations
 import json
 import shlex
 
-from .settings import CONFIG_KEY, BoundedKVSettings, SettingsError, serving_methods
+from . import frontend
+from .settings import CONFIG_KEY, REQUEST_BUDGET_KEY, BoundedKVSettings, RequestSettingsError, SettingsError, serving_methods
 from .support import SUPPORTED_VLLM, UnsupportedEngineError, check_model, check_vllm_version
+
+frontend.register()  # the request checks, also where vLLM's plugin entry points are not loaded
 
 SCHEDULER_CLASS = "trikv.vllm.scheduler.TriKVScheduler"
 WORKER_CLASS = "trikv.vllm.worker.TriKVWorker"
@@ -43,13 +51,14 @@ def engine_args(
     method / budget / divide_length / stats / protect_prompt / min_decode_room: as in trikv's transformers
     caches (`stats`: bundled name or path, for methods that need statistics). `model`: when given, the
     model's config is checked here, before vLLM starts (family, statistics' shape and RoPE). Other keyword
-    arguments are method options (e.g. `recent_window=8`) or the trikv settings `allow_untested_platform`
-    and `record_rounds`. `method="full"` returns no arguments: plain vLLM.
+    arguments are method options (e.g. `recent_window=8`) or the trikv settings `allow_untested_platform`,
+    `record_rounds`, `round_workspace_bytes`, `max_request_budget` and `allow_full_requests`. `method="full"` returns no arguments: plain vLLM.
     """
     check_vllm_version()
     if method == "full":
         return {}
-    extra = {name: options.pop(name) for name in ("allow_untested_platform", "record_rounds") if name in options}
+    settings_only = ("allow_untested_platform", "record_rounds", "round_workspace_bytes", "max_request_budget", "allow_full_requests")
+    extra = {name: options.pop(name) for name in settings_only if name in options}
     settings = BoundedKVSettings(method=method, budget=budget, divide_length=divide_length, stats=stats,
                                  protect_prompt=protect_prompt, min_decode_room=min_decode_room, options=options, **extra)
     if model is not None:
@@ -97,6 +106,8 @@ __all__ = [
     "serving_methods",
     "BoundedKVSettings",
     "SettingsError",
+    "RequestSettingsError",
+    "REQUEST_BUDGET_KEY",
     "UnsupportedEngineError",
     "SUPPORTED_VLLM",
     "check_vllm_version",

@@ -14,6 +14,10 @@ def _add_settings(parser, default_model: str | None) -> None:
     parser.add_argument("--divide-length", type=int, default=128, help="slack beta: compact at budget + beta (default 128)")
     parser.add_argument("--stats", help="statistics: bundled name or path (default: the bundled stats of --model)")
     parser.add_argument("--no-protect-prompt", action="store_true", help="let prompt tokens compete for the budget")
+    parser.add_argument("--max-request-budget", type=int,
+                        help="largest budget a request may choose with vllm_xargs trikv_budget (default: --budget)")
+    parser.add_argument("--allow-full-requests", action="store_true",
+                        help='let a request choose full attention (vllm_xargs {"trikv_budget": "full"})')
     parser.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
                         help="method option, e.g. recent_window=8 (JSON values; repeatable)")
     parser.add_argument("--model", default=default_model,
@@ -40,8 +44,11 @@ def _settings(args) -> dict:
         stats = args.model
         if stats is None:
             raise ValueError(f"method {args.method!r} needs --stats (a bundled name or a `trikv calibrate` file) or --model")
+    limits = {"max_request_budget": args.max_request_budget} if args.max_request_budget is not None else {}
+    if args.allow_full_requests:
+        limits["allow_full_requests"] = True
     return dict(method=args.method, budget=args.budget, divide_length=args.divide_length, stats=stats,
-                protect_prompt=not args.no_protect_prompt, model=args.model, **options)
+                protect_prompt=not args.no_protect_prompt, model=args.model, **limits, **options)
 
 
 def add_vllm_commands(sub) -> None:

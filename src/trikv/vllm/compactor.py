@@ -154,17 +154,18 @@ class Compactor:
             return
         started = time.perf_counter()
         block_size = codecs[0].block_size
-        budget = rounds[0].budget
         if self.protect_prompt and not self._warned_prompt:
             prompt = torch.tensor([op.prompt_length for op in rounds])
-            if not bool(prompt_fits(prompt, budget, self.min_decode_room).all()):
-                log.warning("a prompt leaves fewer than %d of the %d budget slots for generated tokens: it competes for "
-                            "the budget too", self.min_decode_room, budget)
+            budgets = torch.tensor([op.budget for op in rounds])
+            if not bool(prompt_fits(prompt, budgets, self.min_decode_room).all()):
+                log.warning("a prompt leaves fewer than %d of its budget slots for generated tokens: it competes for "
+                            "the budget too", self.min_decode_room)
                 self._warned_prompt = True
-        by_blocks: dict[int, list[CompactionOp]] = {}
+        # requests with their own budgets keep different counts: one group per (blocks, budget)
+        by_blocks: dict[tuple[int, int], list[CompactionOp]] = {}
         for op in rounds:
-            by_blocks.setdefault(-(-op.length // block_size), []).append(op)
-        for blocks, group in by_blocks.items():
+            by_blocks.setdefault((-(-op.length // block_size), op.budget), []).append(op)
+        for (blocks, _), group in by_blocks.items():
             probe = codecs[0].locate(torch.zeros(1, 1, dtype=torch.long), kv_caches[0])
             per_request, per_layers = self._plan(len(group), len(kv_caches), codecs[0].num_heads, blocks * block_size,
                                                  codecs[0].head_dim, kv_caches[0].element_size(), probe.row_width > 1)

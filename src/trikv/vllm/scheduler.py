@@ -19,7 +19,7 @@ from vllm.logger import init_logger
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from .compactor import CompactionOp, StepPlan
-from .settings import BoundedKVSettings
+from .settings import BoundedKVSettings, RequestSettingsError
 from .support import check_engine_config
 
 log = init_logger(f"vllm.{__name__}")  # printed with vLLM's own log lines
@@ -72,6 +72,7 @@ class TriKVScheduler(Scheduler):
         self.trikv_blocks_freed = 0
         self.trikv_preemptions = 0
         self._trikv_announced: set[str] = set()  # requests whose first round was logged
+        self._trikv_budgets: dict[str, int | None] = {}  # request -> its budget (None: full attention)
         self._trikv_manager = full_attention_manager(self.kv_cache_manager.coordinator.single_type_managers)
         count_physical(self._trikv_manager, self.trikv_offsets)
 
@@ -88,11 +89,22 @@ class TriKVScheduler(Scheduler):
         output.trikv = plan
         return output
 
+    def _budget_of(self, request) -> int | None:
+        """The request's budget (its own `trikv_budget` or the server's), None for full attention. The frontend
+        refuses a bad choice with HTTP 400; one that reaches the engine another way is logged and served with the
+        server's budget rather than stopping the engine."""
+        if request.request_id not in self._trikv_budgets:
+            try:
+                budget = self.trikv.request_budget(request.sampling_params.extra_args if request.sampling_params else None)
+            except RequestSettingsError as error:
+                log.error("trikv: request %s: %s; it runs with the server's budget %d", request.request_id, error, self.trikv.budget)
+                budget = self.trikv.budget
+            self._trikv_budgets[request.request_id] = budget
+        return self._trikv_budgets[request.request_id]
+
     def _start_rounds(self) -> list[CompactionOp]:
         """Shrink every running request that is due and return its round."""
         settings = self.trikv
-        trigger = settings.budget + settings.divide_length
-        kept_blocks = -(-settings.budget // self.block_size)
         pool = self.kv_cache_manager.block_pool
         held = {request.request_id: len(self._trikv_manager.req_to_blocks.get(request.request_id, ())) for request in self.running}
         rounds = []
@@ -100,28 +112,30 @@ class TriKVScheduler(Scheduler):
             computed = request.num_computed_tokens
             if computed < request.num_prompt_tokens or computed < request.num_tokens - 1:
                 continue  # prefill (or the recompute after a preemption) is not done
+            budget = self._budget_of(request)
             offset = self.trikv_offsets.get(request.request_id, 0)
             length = computed - offset
-            if length < trigger:
+            if budget is None or length < budget + settings.divide_length:
                 continue
+            kept_blocks = -(-budget // self.block_size)
             blocks = self._trikv_manager.req_to_blocks[request.request_id]
             tail = blocks[kept_blocks:]
             del blocks[kept_blocks:]
             pool.free_blocks(reversed(tail))
             held[request.request_id] = len(blocks)
-            self.trikv_offsets[request.request_id] = computed - settings.budget
+            self.trikv_offsets[request.request_id] = computed - budget
             self.trikv_rounds += 1
             self.trikv_blocks_freed += len(tail)
             if request.request_id not in self._trikv_announced:
                 self._trikv_announced.add(request.request_id)
                 log.info("trikv: request %s compacted at %d tokens (%d -> %d entries per KV head, %d blocks returned, %d free)",
-                         request.request_id, computed, length, settings.budget, len(tail), pool.get_num_free_blocks())
+                         request.request_id, computed, length, budget, len(tail), pool.get_num_free_blocks())
             rounds.append(
                 CompactionOp(
                     request_id=request.request_id,
                     position=computed,
                     length=length,
-                    budget=settings.budget,
+                    budget=budget,
                     prompt_length=request.num_prompt_tokens,
                     kept_blocks=len(blocks),
                     freed_blocks=len(tail),
@@ -139,4 +153,5 @@ class TriKVScheduler(Scheduler):
     def _free_request(self, request, *args, **kwargs):
         self.trikv_offsets.pop(request.request_id, None)
         self._trikv_announced.discard(request.request_id)
+        self._trikv_budgets.pop(request.request_id, None)
         return super()._free_request(request, *args, **kwargs)

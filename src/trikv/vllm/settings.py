@@ -13,10 +13,16 @@ from dataclasses import asdict, dataclass, field, fields
 from ..policies import REGISTRY, Policy, make_policy
 
 CONFIG_KEY = "trikv"
+# the per-request choice, in `SamplingParams.extra_args` (OpenAI API: `extra_body={"vllm_xargs": {...}}`)
+REQUEST_BUDGET_KEY = "trikv_budget"
 
 
 class SettingsError(ValueError):
     """A trikv setting for vLLM is missing, unknown or out of range."""
+
+
+class RequestSettingsError(ValueError):
+    """A request's own trikv choice (`extra_args["trikv_budget"]`) is malformed or outside the server's limits."""
 
 
 def serving_methods() -> list[str]:
@@ -46,6 +52,11 @@ class BoundedKVSettings:
 
     Defaults follow trikv's transformers caches: divide_length (beta) 128, prompt protected while it leaves
     `min_decode_room` slots for generated tokens, the method's own recent window.
+
+    A request may choose its own budget with `extra_args["trikv_budget"]` (an integer, or "full" for full
+    attention), within the server's limits: above the method's recent window, at most `max_request_budget`
+    (default: `budget`, so a request can shrink its cache but not grow it), and "full" only with
+    `allow_full_requests`.
     """
 
     method: str = "triattention"
@@ -59,6 +70,8 @@ class BoundedKVSettings:
     record_rounds: bool = False  # keep every round's kept positions (for tests: `LLM.collective_rpc("trikv_rounds")`)
     # cap on a round's transient memory per worker (see `Compactor.chunk_bytes` for what it counts)
     round_workspace_bytes: int = 256 * 2**20
+    max_request_budget: int | None = None  # largest budget a request may ask for (None: `budget`)
+    allow_full_requests: bool = False  # a request may ask for full attention ("full")
 
     def __post_init__(self) -> None:
         if self.method == "full":
@@ -74,7 +87,10 @@ class BoundedKVSettings:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "min_decode_room" else 1):
                 raise SettingsError(f"{name} must be a positive integer, got {value!r}")
-        for name in ("protect_prompt", "allow_untested_platform", "record_rounds"):
+        if self.max_request_budget is not None and (
+                isinstance(self.max_request_budget, bool) or not isinstance(self.max_request_budget, int) or self.max_request_budget < 1):
+            raise SettingsError(f"max_request_budget must be a positive integer or null, got {self.max_request_budget!r}")
+        for name in ("protect_prompt", "allow_untested_platform", "record_rounds", "allow_full_requests"):
             if not isinstance(getattr(self, name), bool):
                 raise SettingsError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if not isinstance(self.options, dict):
@@ -89,11 +105,15 @@ class BoundedKVSettings:
         if self.stats is not None and not self.needs_stats:
             raise SettingsError(f"method {self.method!r} uses no statistics; remove stats={self.stats!r}")
         policy = self.make_policy(stats=None)  # validates the options
+        self._recent_window = policy.recent_window
         if policy.recent_window >= self.budget:
             raise SettingsError(
                 f"budget {self.budget} is not larger than the protected recent window of {self.method} "
                 f"({policy.recent_window} tokens)"
             )
+        if self.max_request_budget is not None and self.max_request_budget <= policy.recent_window:
+            raise SettingsError(f"max_request_budget {self.max_request_budget} is not larger than the protected recent "
+                                f"window of {self.method} ({policy.recent_window} tokens)")
 
     @property
     def needs_stats(self) -> bool:
@@ -107,6 +127,28 @@ class BoundedKVSettings:
             return make_policy(self.method, **options)
         except (TypeError, ValueError) as error:
             raise SettingsError(str(error)) from None
+
+    def request_budget(self, extra_args: dict | None) -> int | None:
+        """The budget of a request with these `SamplingParams.extra_args`: the server's `budget` when it chooses
+        nothing, its own `trikv_budget` within the limits, None for full attention; RequestSettingsError otherwise."""
+        choice = (extra_args or {}).get(REQUEST_BUDGET_KEY)
+        if choice is None:
+            return self.budget
+        if choice == "full":
+            if not self.allow_full_requests:
+                raise RequestSettingsError(f"{REQUEST_BUDGET_KEY}='full': this server does not run requests with full "
+                                           "attention (start it with allow_full_requests=true)")
+            return None
+        if isinstance(choice, bool) or not isinstance(choice, int):
+            raise RequestSettingsError(f"{REQUEST_BUDGET_KEY} must be an integer number of KV entries per (layer, KV head) "
+                                       f"or 'full', got {choice!r}")
+        lowest = self._recent_window + 1
+        highest = self.budget if self.max_request_budget is None else self.max_request_budget
+        if not lowest <= choice <= highest:
+            raise RequestSettingsError(f"{REQUEST_BUDGET_KEY}={choice} is outside this server's limits [{lowest}, {highest}] "
+                                       f"(above {self.method}'s recent window of {lowest - 1} tokens, at most "
+                                       f"{'budget' if self.max_request_budget is None else 'max_request_budget'})")
+        return choice
 
     def to_config(self) -> dict:
         """The dict for `additional_config[CONFIG_KEY]`."""
