@@ -409,6 +409,48 @@ def test_chunked_prefill_preemption_and_abort_keep_working(real_model, engines_d
     assert replayed, "no chunked prefill was replayed"
 
 
+def test_preempted_request_recomputes_within_its_bound_without_holding_others(engines_dir, prompts):
+    """Request A (low priority) decodes alone; five requests arrive at step 110 and outgrow the 10-block pool, so
+    vLLM preempts A at > 4x its budget; two more (lower priority than A) arrive at step 140. A's recompute is a
+    chunked prefill compacted between chunks: it never holds more than budget + slack + one chunk entries, it is
+    readmitted while the others still run (not once its whole history fits), everything completes and every block
+    returns. Its tokens equal an unpreempted run's until the others arrive; the agreement after is reported."""
+    budget, chunk, pool = 32, 32, 11  # 10 usable blocks = max_model_len 320
+    text_ids = prompts[2] + prompts[1] + prompts[0]
+    requests = [(text_ids[i * 13 :] + text_ids[: i * 13])[:20] for i in range(8)]
+    new_tokens = [200, 60, 70, 80, 90, 100, 30, 30]
+    run = run_engine(engines_dir, "preemption", {
+        "dtype": "float32", "trikv": {**_trikv_settings(), "budget": budget, "divide_length": SLACK},
+        "engine": {"num_gpu_blocks_override": pool, "max_model_len": 320, "max_num_seqs": 8, "enable_chunked_prefill": True,
+                   "max_num_batched_tokens": chunk, "scheduling_policy": "priority"},
+        "batches": [{"prompts": requests, "max_tokens": new_tokens, "arrivals": [0] + [110] * 5 + [140] * 2,
+                     "priorities": [1] + [0] * 5 + [2] * 2, "max_steps": 2000},
+                    {"prompts": requests[:1], "max_tokens": new_tokens[:1]}],  # A alone: never preempted
+    })
+    assert run["stats"][0]["preemptions"] >= 1
+    first, alone = run["batches"][0]["requests"], run["batches"][1]["requests"][0]
+    assert [len(r["tokens"]) for r in first] == new_tokens
+    assert run["free_blocks_at_end"] == pool - 1
+    rounds = _rounds_of(run, first[0]["request_id"])
+    resumed = next(i for i in range(1, len(rounds)) if rounds[i]["position"] < rounds[i - 1]["position"])
+    preempted_after = rounds[resumed - 1]["position"]
+    assert preempted_after >= 4 * budget
+    bound = budget + SLACK + chunk
+    assert all(r["length"] <= bound for r in rounds[resumed:]), [r["length"] for r in rounds[resumed:]]
+    assert rounds[resumed]["held_blocks"] > rounds[resumed]["kept_blocks"]  # readmitted beside running requests
+    steps = first[0]["token_steps"]  # the steps at which A produced a token: the longest pause is its preemption
+    pause = max(range(1, len(steps)), key=lambda i: steps[i] - steps[i - 1])
+    last_other = max(step for r in first[1:6] for step in r["token_steps"])
+    assert steps[pause] < last_other, "A waited until the pool had room for its whole history"
+    unpreempted = alone["tokens"]
+    before = 110 - 5  # tokens A produced alone in both runs
+    assert first[0]["tokens"][:before] == unpreempted[:before]
+    after = slice(pause, None)  # the tokens A produced after its recompute
+    agree = sum(a == b for a, b in zip(first[0]["tokens"][after], unpreempted[after])) / len(unpreempted[after])
+    print(f"preempted at {len(requests[0]) + pause} tokens; recompute rounds {[r['length'] for r in rounds[resumed:resumed + 4]]}...; "
+          f"tokens after the preemption equal to the unpreempted run's: {agree:.0%}")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_page_codec_reads_and_writes_vllm_cpu_pages(dtype):
     """The codec against vLLM's own CPU KV write (fp32: `vec` pages, keys transposed; bf16 on AMX: VNNI tiles):

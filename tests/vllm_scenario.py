@@ -5,7 +5,9 @@ Each engine runs in a fresh interpreter, which keeps the test process free of vL
 environment variables, "in_process": engine core and worker inside this interpreter (default; false runs
 vLLM's usual separate processes, which tensor parallelism needs), "batches": [{"prompts": [token id lists],
 "max_tokens", "min_tokens", optional "extra_args": [one SamplingParams.extra_args per prompt], optional "abort":
-{"after_steps", "requests": [indices]}: the engine is then stepped by hand and those requests are aborted}]}. RESULT: per batch the prompt and generated token ids of every request, then
+{"after_steps", "requests": [indices]}: those requests are aborted, optional "arrivals": [the step at which each
+request is added], "priorities": [vLLM priority per request], "max_tokens" a list (one per request); any of these
+steps the engine by hand, "max_steps" (default 5000) then bounds the steps: a stalled engine fails the run}]}. RESULT: per batch the prompt and generated token ids of every request, then
 every rank's round records and statistics (in-process: the pool's free blocks at the end).
 """
 
@@ -37,15 +39,13 @@ def main(spec_path: str, result_path: str) -> None:
     llm = LLM(resolve_model_path(spec["model"]), **engine, **extra)
     result = {"startup_seconds": time.perf_counter() - started, "batches": []}
     for batch in spec["batches"]:
-        params = SamplingParams(max_tokens=batch["max_tokens"], min_tokens=batch.get("min_tokens", batch["max_tokens"]),
-                                temperature=0.0, ignore_eos=True)
-        if "extra_args" in batch:  # per-request choices (a request's own trikv budget)
-            params = [params.clone() for _ in batch["prompts"]]
-            for request_params, extra_args in zip(params, batch["extra_args"]):
-                request_params.extra_args = extra_args
+        params = [SamplingParams(max_tokens=count, min_tokens=batch.get("min_tokens", count), temperature=0.0, ignore_eos=True)
+                  for count in (batch["max_tokens"] if isinstance(batch["max_tokens"], list) else [batch["max_tokens"]] * len(batch["prompts"]))]
+        for request_params, extra_args in zip(params, batch.get("extra_args", [])):  # a request's own trikv budget
+            request_params.extra_args = extra_args
         started = time.perf_counter()
-        if "abort" in batch:
-            requests = _step_with_aborts(llm, batch, params, TokensPrompt)
+        if {"abort", "arrivals", "priorities"} & set(batch) or isinstance(batch["max_tokens"], list):
+            requests = _step_by_hand(llm, batch, params, TokensPrompt)
         else:
             outputs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in batch["prompts"]], params, use_tqdm=False)
             requests = [{"request_id": out.request_id, "prompt": list(out.prompt_token_ids), "tokens": list(out.outputs[0].token_ids)}
@@ -60,22 +60,34 @@ def main(spec_path: str, result_path: str) -> None:
         json.dump(result, handle)
 
 
-def _step_with_aborts(llm, batch: dict, params, TokensPrompt) -> list[dict]:
-    """Drive the engine step by step and abort `batch["abort"]["requests"]` (indices) after `batch["abort"]["after_steps"]`
-    steps; an aborted request reports the tokens it had streamed (None if none)."""
+def _step_by_hand(llm, batch: dict, params: list, TokensPrompt) -> list[dict]:
+    """Drive the engine step by step: add each request at its arrival step with its priority, abort
+    `batch["abort"]["requests"]` (indices) after `batch["abort"]["after_steps"]` steps; an aborted request reports the
+    tokens it had streamed (None if none). Each request also reports the steps at which it produced tokens."""
     engine = llm.llm_engine
-    ids = [str(index) for index in range(len(batch["prompts"]))]  # vLLM appends "-<suffix>" to each
-    for request_id, prompt in zip(ids, batch["prompts"]):
-        engine.add_request(request_id, TokensPrompt(prompt_token_ids=prompt), params)
-    aborted = {ids[index] for index in batch["abort"]["requests"]}
-    latest, steps = {}, 0
-    while engine.has_unfinished_requests():
+    count = len(batch["prompts"])
+    ids = [str(index) for index in range(count)]  # vLLM appends "-<suffix>" to each
+    arrivals = batch.get("arrivals", [0] * count)
+    priorities = batch.get("priorities", [0] * count)
+    abort = batch.get("abort", {"after_steps": -1, "requests": []})
+    aborted = {ids[index] for index in abort["requests"]}
+    latest, token_steps, steps = {}, {request_id: [] for request_id in ids}, 0
+    while steps == 0 or engine.has_unfinished_requests() or steps <= max(arrivals):
+        for index in range(count):
+            if arrivals[index] == steps:
+                engine.add_request(ids[index], TokensPrompt(prompt_token_ids=batch["prompts"][index]), params[index],
+                                   priority=priorities[index])
         for out in engine.step():
+            if len(out.outputs[0].token_ids) > len(latest.get(out.request_id, [])):
+                token_steps[out.request_id].append(steps)
             latest[out.request_id] = list(out.outputs[0].token_ids)
         steps += 1
-        if steps == batch["abort"]["after_steps"]:
+        if steps == abort["after_steps"]:
             engine.abort_request(sorted(aborted))
-    return [{"request_id": request_id, "prompt": prompt, "tokens": latest.get(request_id), "aborted": request_id in aborted}
+        if steps > batch.get("max_steps", 5000):
+            raise RuntimeError(f"the engine did not finish in {steps} steps (stalled)")
+    return [{"request_id": request_id, "prompt": prompt, "tokens": latest.get(request_id), "aborted": request_id in aborted,
+             "token_steps": token_steps[request_id]}
             for request_id, prompt in zip(ids, batch["prompts"])]
 
 

@@ -9,6 +9,15 @@ sees the physical length, through wrappers around that group's manager. A hybrid
 groups (Gemma-3, GPT-OSS) stay vLLM's own: logical lengths, their window's blocks. The rounds and offsets travel
 to the workers as the `trikv` attribute of the step's `SchedulerOutput`; the workers compact the KV before the
 step's forward.
+
+Preemption: vLLM drops a preempted request's blocks and later recomputes its whole history (prompt and output
+so far) as a prefill. With chunked prefill (vLLM's default), a bounded request's recompute has a round whenever
+it reaches budget + divide_length, between chunks, so it never holds more than budget + divide_length + one
+chunk (max_num_batched_tokens) entries, and its readmission asks for only that many blocks: a request preempted
+at 30K tokens does not wait for 30K tokens of free blocks, nor hold up the requests queued behind it. Its cache
+after the recompute is a new selection over the recomputed history (rounds at chunk boundaries rather than
+every divide_length tokens), so its later tokens can differ from an unpreempted run's. Without chunked prefill
+the recompute is one prefill of the whole history, compacted once it is done.
 """
 
 from __future__ import annotations
@@ -38,9 +47,11 @@ def full_attention_manager(managers):
     return full[0]
 
 
-def count_physical(manager, offsets: dict[str, int]) -> None:
+def count_physical(manager, offsets: dict[str, int], admission_cap=lambda request_id: None) -> None:
     """Make `manager` (the full-attention group) count a compacted request's physical entries: every token count
-    it is given is logical, so its offset (logical - physical) is taken off."""
+    it is given is logical, so its offset (logical - physical) is taken off. At admission (vLLM asks whether a
+    waiting request's whole sequence fits) a request that compacts while it prefills counts at most
+    `admission_cap(request_id)` entries: what it will ever hold."""
     count = manager.get_num_blocks_to_allocate
     allocate = manager.allocate_new_blocks
 
@@ -48,6 +59,10 @@ def count_physical(manager, offsets: dict[str, int]) -> None:
     def count_blocks(request_id, num_tokens, new_computed_blocks, total_computed_tokens, num_local_computed_tokens,
                      num_tokens_main_model, *args, **kwargs):
         offset = offsets.get(request_id, 0)
+        cap = admission_cap(request_id) if kwargs.get("apply_admission_cap") else None
+        if cap is not None and num_tokens - offset > cap:
+            num_tokens_main_model -= num_tokens - offset - cap
+            num_tokens = cap + offset
         return count(request_id, num_tokens - offset, new_computed_blocks, max(0, total_computed_tokens - offset),
                      max(0, num_local_computed_tokens - offset), num_tokens_main_model - offset, *args, **kwargs)
 
@@ -74,7 +89,9 @@ class TriKVScheduler(Scheduler):
         self._trikv_announced: set[str] = set()  # requests whose first round was logged
         self._trikv_budgets: dict[str, int | None] = {}  # request -> its budget (None: full attention)
         self._trikv_manager = full_attention_manager(self.kv_cache_manager.coordinator.single_type_managers)
-        count_physical(self._trikv_manager, self.trikv_offsets)
+        # a preempted request recomputes its history in chunks of at most this many tokens, compacting as it goes
+        self._trikv_chunk = self.max_num_scheduled_tokens if self.scheduler_config.enable_chunked_prefill else None
+        count_physical(self._trikv_manager, self.trikv_offsets, self._admission_cap)
 
     def schedule(self, *args, **kwargs):
         rounds = self._start_rounds()
@@ -110,8 +127,9 @@ class TriKVScheduler(Scheduler):
         rounds = []
         for request in self.running:
             computed = request.num_computed_tokens
-            if computed < request.num_prompt_tokens or computed < request.num_tokens - 1:
-                continue  # prefill (or the recompute after a preemption) is not done
+            prefilling = computed < request.num_prompt_tokens or computed < request.num_tokens - 1
+            if prefilling and not self._compacts_while_prefilling(request):
+                continue  # a prompt is compacted once its prefill is done, as on the transformers path
             budget = self._budget_of(request)
             offset = self.trikv_offsets.get(request.request_id, 0)
             length = computed - offset
@@ -144,6 +162,18 @@ class TriKVScheduler(Scheduler):
                 )
             )
         return rounds
+
+    def _compacts_while_prefilling(self, request) -> bool:
+        """A preempted bounded request recomputes its history (prompt and output so far) as a chunked prefill
+        with a round whenever it reaches budget + divide_length, so it never holds more than
+        budget + divide_length + one chunk entries and its readmission needs only that many blocks."""
+        return request.num_preemptions > 0 and self._trikv_chunk is not None and self._budget_of(request) is not None
+
+    def _admission_cap(self, request_id: str) -> int | None:
+        request = self.requests.get(request_id)
+        if request is None or not self._compacts_while_prefilling(request):
+            return None
+        return self._budget_of(request) + self.trikv.divide_length + self._trikv_chunk
 
     def _preempt_request(self, request, *args, **kwargs):
         super()._preempt_request(request, *args, **kwargs)
