@@ -589,6 +589,22 @@ def test_http_server_streams_a_chat_completion_with_the_bounded_cache(tmp_path):
     assert "trikv: request" in log_path.read_text() and "compacted at" in log_path.read_text()
 
 
+def test_soak_through_the_server_leaves_no_compactor_state(tmp_path):
+    """`trikv bench soak` in short: mixed prompt and output lengths, a third of the requests closed by the client
+    mid-stream; afterwards `GET /trikv/stats` shows no per-request state left, every other request got all its
+    tokens and the server still answers (the full 2,000-request run is a benchmark, not a test)."""
+    out = tmp_path / "soak"
+    done = subprocess.run([sys.executable, "-m", "trikv.cli", "bench", "soak", "--requests", "30", "--concurrency", "6",
+                           "--abort-share", "0.3", "--sample-every", "10", "--max-tokens", "100", "--port", str(_free_port()),
+                           "--out", str(out), "--no-progress"], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    result = json.loads((out / "soak.json").read_text())
+    assert result["errors"] == 0 and result["incomplete"] == 0 and result["server_alive_at_end"]
+    assert result["aborted"] > 0 and result["compacted_requests"] > 0
+    assert result["compacted_running_at_end"] == []
+    assert len(result["samples"]) >= 4 and (out / "soak.png").exists()
+
+
 # ---- bad configuration: refused at start-up, with a message that names the problem ----------------------
 def _engine_config(**overrides):
     from vllm import EngineArgs

@@ -31,6 +31,7 @@ BENCH_MODULES = [
     "trikv.benchmarks.speed_report",
     "trikv.benchmarks.serving",
     "trikv.benchmarks.serving_report",
+    "trikv.benchmarks.soak",
 ]
 
 

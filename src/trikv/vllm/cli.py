@@ -98,4 +98,8 @@ def cmd_serve(args) -> int:
         return 0
     print(f"[trikv] {shlex.join(command)}", flush=True)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    if "VLLM_PLUGINS" not in os.environ:  # serve GET /trikv/stats too (vLLM loads named endpoint plugins only)
+        from .endpoint import plugins_setting
+
+        os.environ["VLLM_PLUGINS"] = plugins_setting()
     os.execv(command[0], command)  # vLLM replaces this process: signals (Ctrl-C, SIGTERM) reach it directly
