@@ -362,6 +362,29 @@ def test_bounded_requests_fit_four_times_more(engines_dir, prompts):
     assert all(len(r["tokens"]) == length - prompt_length for r in run["batches"][0]["requests"])
 
 
+def test_rounds_due_together_are_spread_over_steps(engines_dir, prompts):
+    """Eight requests with prompts of one length fall due on the same step; with max_rounds_per_step = 2 at most
+    two rounds start per step (their positions say when: the requests advance together), the others wait a few
+    tokens within one extra block, and everything completes with every block back."""
+    budget, prompt_length, limit = 32, 24, 2
+    text_ids = prompts[2] + prompts[1]
+    requests = [(text_ids[i:] + text_ids[:i])[:prompt_length] for i in range(8)]
+    run = run_engine(engines_dir, "spread", {
+        "dtype": "float32", "trikv": {**_trikv_settings(), "budget": budget, "divide_length": SLACK, "max_rounds_per_step": limit},
+        "engine": {"max_model_len": 320, "max_num_seqs": 8},
+        "batches": [{"prompts": requests, "max_tokens": 200}],
+    })
+    rounds = run["rounds"][0]
+    assert all(len(r["tokens"]) == 200 for r in run["batches"][0]["requests"])
+    by_position: dict[int, int] = {}
+    for record in rounds:
+        by_position[record["position"]] = by_position.get(record["position"], 0) + 1
+        assert budget + SLACK <= record["length"] < budget + SLACK + BLOCK  # waited within one extra block
+    assert max(by_position.values()) <= limit, by_position
+    firsts = {r["request_id"]: r["position"] for r in reversed(rounds)}
+    assert len(set(firsts.values())) >= 4  # the first rounds, all due at one step, started over four steps
+
+
 def test_chunked_prefill_preemption_and_abort_keep_working(real_model, engines_dir, prompts):
     """Six short prompts that outgrow a small pool as they decode (vLLM preempts and recomputes), two prompts longer
     than budget + slack prefilled in chunks of 64 tokens, and two requests aborted mid-generation: every other

@@ -52,12 +52,13 @@ def engine_args(
     caches (`stats`: bundled name or path, for methods that need statistics). `model`: when given, the
     model's config is checked here, before vLLM starts (family, statistics' shape and RoPE). Other keyword
     arguments are method options (e.g. `recent_window=8`) or the trikv settings `allow_untested_platform`,
-    `record_rounds`, `round_workspace_bytes`, `max_request_budget` and `allow_full_requests`. `method="full"` returns no arguments: plain vLLM.
+    `record_rounds`, `round_workspace_bytes`, `max_request_budget`, `allow_full_requests` and `max_rounds_per_step`. `method="full"` returns no arguments: plain vLLM.
     """
     check_vllm_version()
     if method == "full":
         return {}
-    settings_only = ("allow_untested_platform", "record_rounds", "round_workspace_bytes", "max_request_budget", "allow_full_requests")
+    settings_only = ("allow_untested_platform", "record_rounds", "round_workspace_bytes", "max_request_budget", "allow_full_requests",
+                     "max_rounds_per_step")
     extra = {name: options.pop(name) for name in settings_only if name in options}
     settings = BoundedKVSettings(method=method, budget=budget, divide_length=divide_length, stats=stats,
                                  protect_prompt=protect_prompt, min_decode_room=min_decode_room, options=options, **extra)

@@ -18,6 +18,8 @@ def _add_settings(parser, default_model: str | None) -> None:
                         help="largest budget a request may choose with vllm_xargs trikv_budget (default: --budget)")
     parser.add_argument("--allow-full-requests", action="store_true",
                         help='let a request choose full attention (vllm_xargs {"trikv_budget": "full"})')
+    parser.add_argument("--max-rounds-per-step", type=int,
+                        help="start at most this many compaction rounds per step; others wait up to one block (default: no limit)")
     parser.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
                         help="method option, e.g. recent_window=8 (JSON values; repeatable)")
     parser.add_argument("--model", default=default_model,
@@ -47,6 +49,8 @@ def _settings(args) -> dict:
     limits = {"max_request_budget": args.max_request_budget} if args.max_request_budget is not None else {}
     if args.allow_full_requests:
         limits["allow_full_requests"] = True
+    if args.max_rounds_per_step is not None:
+        limits["max_rounds_per_step"] = args.max_rounds_per_step
     return dict(method=args.method, budget=args.budget, divide_length=args.divide_length, stats=stats,
                 protect_prompt=not args.no_protect_prompt, model=args.model, **limits, **options)
 

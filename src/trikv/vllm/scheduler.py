@@ -86,6 +86,7 @@ class TriKVScheduler(Scheduler):
         self.trikv_rounds = 0
         self.trikv_blocks_freed = 0
         self.trikv_preemptions = 0
+        self.trikv_deferred = 0  # rounds put off by max_rounds_per_step
         self._trikv_announced: set[str] = set()  # requests whose first round was logged
         self._trikv_budgets: dict[str, int | None] = {}  # request -> its budget (None: full attention)
         self._trikv_manager = full_attention_manager(self.kv_cache_manager.coordinator.single_type_managers)
@@ -125,16 +126,18 @@ class TriKVScheduler(Scheduler):
         pool = self.kv_cache_manager.block_pool
         held = {request.request_id: len(self._trikv_manager.req_to_blocks.get(request.request_id, ())) for request in self.running}
         rounds = []
+        due = []  # (request, budget, physical length)
         for request in self.running:
             computed = request.num_computed_tokens
             prefilling = computed < request.num_prompt_tokens or computed < request.num_tokens - 1
             if prefilling and not self._compacts_while_prefilling(request):
                 continue  # a prompt is compacted once its prefill is done, as on the transformers path
             budget = self._budget_of(request)
-            offset = self.trikv_offsets.get(request.request_id, 0)
-            length = computed - offset
-            if budget is None or length < budget + settings.divide_length:
-                continue
+            length = computed - self.trikv_offsets.get(request.request_id, 0)
+            if budget is not None and length >= budget + settings.divide_length:
+                due.append((request, budget, length))
+        for request, budget, length in self._spread(due):
+            computed = request.num_computed_tokens
             kept_blocks = -(-budget // self.block_size)
             blocks = self._trikv_manager.req_to_blocks[request.request_id]
             tail = blocks[kept_blocks:]
@@ -162,6 +165,20 @@ class TriKVScheduler(Scheduler):
                 )
             )
         return rounds
+
+    def _spread(self, due: list) -> list:
+        """The due requests compacted in this step: all of them, or with `max_rounds_per_step` at most that many
+        (the longest first) plus every request that cannot wait: one that would need a block past budget +
+        divide_length + one block. The others wait a few steps, so rounds that fall due together do not all
+        land on one step."""
+        limit = self.trikv.max_rounds_per_step
+        if limit is None or len(due) <= limit:
+            return due
+        due = sorted(due, key=lambda item: -item[2])
+        must = [item for item in due if item[2] >= item[1] + self.trikv.divide_length + self.block_size]
+        rest = [item for item in due if item[2] < item[1] + self.trikv.divide_length + self.block_size]
+        self.trikv_deferred += max(0, len(rest) - max(0, limit - len(must)))
+        return must + rest[: max(0, limit - len(must))]
 
     def _compacts_while_prefilling(self, request) -> bool:
         """A preempted bounded request recomputes its history (prompt and output so far) as a chunked prefill

@@ -72,6 +72,9 @@ class BoundedKVSettings:
     round_workspace_bytes: int = 256 * 2**20
     max_request_budget: int | None = None  # largest budget a request may ask for (None: `budget`)
     allow_full_requests: bool = False  # a request may ask for full attention ("full")
+    # at most this many rounds start in one step (None: every due request); a request waits at most until its
+    # KV would need a block past budget + divide_length + one block, then it is compacted whatever the limit
+    max_rounds_per_step: int | None = None
 
     def __post_init__(self) -> None:
         if self.method == "full":
@@ -87,6 +90,9 @@ class BoundedKVSettings:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "min_decode_room" else 1):
                 raise SettingsError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_rounds_per_step is not None and (
+                isinstance(self.max_rounds_per_step, bool) or not isinstance(self.max_rounds_per_step, int) or self.max_rounds_per_step < 1):
+            raise SettingsError(f"max_rounds_per_step must be a positive integer or null, got {self.max_rounds_per_step!r}")
         if self.max_request_budget is not None and (
                 isinstance(self.max_request_budget, bool) or not isinstance(self.max_request_budget, int) or self.max_request_budget < 1):
             raise SettingsError(f"max_request_budget must be a positive integer or null, got {self.max_request_budget!r}")
