@@ -548,7 +548,7 @@ def _free_port() -> int:
 def test_http_server_streams_a_chat_completion_with_the_bounded_cache(tmp_path):
     """`trikv serve` streams a chat completion with the bounded cache; over the official `openai` client a request
     chooses its own budget within the server's limits, and a budget outside them, full attention on a server that
-    does not allow it, and beam search get HTTP 400 with the reason."""
+    does not allow it, and beam search get HTTP 400 with the reason; a short soak leaves no per-request state."""
     import time
     import urllib.request
 
@@ -607,25 +607,25 @@ def test_http_server_streams_a_chat_completion_with_the_bounded_cache(tmp_path):
             assert refused.value.status_code == 400 and reason in str(refused.value), str(refused.value)
         assert server.poll() is None  # refusals leave the server serving
         assert client.chat.completions.create(**{**chat, "max_tokens": 5}).usage.completion_tokens <= 5
+
+        # `trikv bench soak` in short against this server: mixed prompt and output lengths, a third of the requests
+        # closed by the client mid-stream; afterwards GET /trikv/stats shows no per-request state left, every other
+        # request got all its tokens and the server still answers (the 2,000-request run is a benchmark)
+        out = tmp_path / "soak"
+        done = subprocess.run([sys.executable, "-m", "trikv.cli", "bench", "soak", "--requests", "30", "--concurrency", "6",
+                               "--abort-share", "0.3", "--sample-every", "10", "--max-tokens", "100",
+                               "--url", f"http://127.0.0.1:{port}", "--server-pid", str(server.pid), "--out", str(out),
+                               "--no-progress"], capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+        soak = json.loads((out / "soak.json").read_text())
+        assert soak["errors"] == 0 and soak["incomplete"] == 0 and soak["server_alive_at_end"]
+        assert soak["aborted"] > 0 and soak["compacted_requests"] > 0
+        assert soak["compacted_running_at_end"] == []
+        assert len(soak["samples"]) >= 4 and all(sample["rss_bytes"] > 0 for sample in soak["samples"])
+        assert (out / "soak.png").exists()
     finally:
         stop_server(server)
     assert "trikv: request" in log_path.read_text() and "compacted at" in log_path.read_text()
-
-
-def test_soak_through_the_server_leaves_no_compactor_state(tmp_path):
-    """`trikv bench soak` in short: mixed prompt and output lengths, a third of the requests closed by the client
-    mid-stream; afterwards `GET /trikv/stats` shows no per-request state left, every other request got all its
-    tokens and the server still answers (the full 2,000-request run is a benchmark, not a test)."""
-    out = tmp_path / "soak"
-    done = subprocess.run([sys.executable, "-m", "trikv.cli", "bench", "soak", "--requests", "30", "--concurrency", "6",
-                           "--abort-share", "0.3", "--sample-every", "10", "--max-tokens", "100", "--port", str(_free_port()),
-                           "--out", str(out), "--no-progress"], capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
-    result = json.loads((out / "soak.json").read_text())
-    assert result["errors"] == 0 and result["incomplete"] == 0 and result["server_alive_at_end"]
-    assert result["aborted"] > 0 and result["compacted_requests"] > 0
-    assert result["compacted_running_at_end"] == []
-    assert len(result["samples"]) >= 4 and (out / "soak.png").exists()
 
 
 # ---- bad configuration: refused at start-up, with a message that names the problem ----------------------

@@ -36,6 +36,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--abort-share", type=float, default=0.1, help="share of requests closed by the client (default 0.1)")
     parser.add_argument("--sample-every", type=int, default=100, help="finished requests between samples (default 100)")
     parser.add_argument("--port", type=int, default=8765)
+    parser.add_argument("--url", help="soak a running `trikv serve` at this address (e.g. http://127.0.0.1:8000) instead of "
+                                      "starting one; its memory is read only with --server-pid")
+    parser.add_argument("--server-pid", type=int, help="with --url: the server's process-group leader, for its RSS")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="runs/soak", help="output folder (default runs/soak)")
     parser.add_argument("--no-progress", action="store_true")
@@ -71,8 +74,28 @@ def _wait_ready(server, port: int, log_path: Path, timeout: float = 600) -> None
             time.sleep(2)
 
 
-def run_soak(args) -> dict:
+def _start_server(args, longest: int, log_path: Path):
     import os
+
+    from .serving_engine import stop_server
+
+    command = [sys.executable, "-m", "trikv.cli", "serve", "--model", args.model, "--method", args.method,
+               "--budget", str(args.budget), "--divide-length", str(args.divide_length), "--port", str(args.port), "--",
+               "--dtype", "float32", "--max-model-len", str(longest + args.max_tokens + 8), "--block-size", "32",
+               "--enforce-eager", "--max-num-seqs", str(args.concurrency)]
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+    env.pop("VLLM_PLUGINS", None)  # `trikv serve` names its stats endpoint
+    with open(log_path, "w") as log:
+        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        _wait_ready(server, args.port, log_path)
+    except BaseException:
+        stop_server(server)
+        raise
+    return server
+
+
+def run_soak(args) -> dict:
     import urllib.request
 
     from transformers import AutoTokenizer
@@ -84,19 +107,14 @@ def run_soak(args) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     shortest, longest = (int(value) for value in args.prompt_lengths.split(","))
-    max_model_len = longest + args.max_tokens + 8
-    log_path = out / "server.log"
-    command = [sys.executable, "-m", "trikv.cli", "serve", "--model", args.model, "--method", args.method,
-               "--budget", str(args.budget), "--divide-length", str(args.divide_length), "--port", str(args.port), "--",
-               "--dtype", "float32", "--max-model-len", str(max_model_len), "--block-size", "32", "--enforce-eager",
-               "--max-num-seqs", str(args.concurrency)]
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
-    env.pop("VLLM_PLUGINS", None)  # `trikv serve` names its stats endpoint
-    with open(log_path, "w") as log:
-        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    if args.url:
+        server, base = None, args.url.rstrip("/")
+    else:
+        server, base = _start_server(args, longest, out / "server.log"), f"http://127.0.0.1:{args.port}"
+    pid = server.pid if server is not None else args.server_pid
     try:
-        _wait_ready(server, args.port, log_path)
-        stats_url = f"http://127.0.0.1:{args.port}/trikv/stats"
+        stats_url = f"{base}/trikv/stats"
+        served_model = _get_json(f"{base}/v1/models")["data"][0]["id"]
         tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(args.model))
         source = _text_ids(tokenizer, 8192)
         rng = random.Random(args.seed)
@@ -118,16 +136,16 @@ def run_soak(args) -> dict:
         def sample() -> None:
             stats = _get_json(stats_url)
             samples.append({"requests_done": finished[0], "seconds": time.perf_counter() - started,
-                            "rss_bytes": server_rss_bytes(server.pid),
+                            "rss_bytes": server_rss_bytes(pid) if pid else None,
                             "compacted_requests": sum(rank["compacted_requests"] for rank in stats),
                             "compacted_running": max(len(rank["compacted_running"]) for rank in stats),
                             "rounds": stats[0]["rounds"]})
 
         def one(index: int) -> dict:
             prompt, max_tokens, abort_after = plan[index]
-            body = {"model": args.model, "prompt": prompt, "max_tokens": max_tokens, "min_tokens": max_tokens,
+            body = {"model": served_model, "prompt": prompt, "max_tokens": max_tokens, "min_tokens": max_tokens,
                     "temperature": 0, "ignore_eos": True, "stream": True}
-            request = urllib.request.Request(f"http://127.0.0.1:{args.port}/v1/completions", data=json.dumps(body).encode(),
+            request = urllib.request.Request(f"{base}/v1/completions", data=json.dumps(body).encode(),
                                              headers={"Content-Type": "application/json"})
             tokens = 0
             with urllib.request.urlopen(request, timeout=3600) as response:
@@ -167,17 +185,18 @@ def run_soak(args) -> dict:
         progress.close()
         time.sleep(2)  # the last aborts reach the engine core
         # a final step lets the workers learn which requests ended: one short request, then the stats
-        one_more = urllib.request.Request(f"http://127.0.0.1:{args.port}/v1/completions", headers={"Content-Type": "application/json"},
-                                          data=json.dumps({"model": args.model, "prompt": [1, 2, 3], "max_tokens": 1}).encode())
+        one_more = urllib.request.Request(f"{base}/v1/completions", headers={"Content-Type": "application/json"},
+                                          data=json.dumps({"model": served_model, "prompt": [1, 2, 3], "max_tokens": 1}).encode())
         urllib.request.urlopen(one_more, timeout=300).read()
         sample()
         final = _get_json(stats_url)
-        alive = server.poll() is None
+        alive = server.poll() is None if server is not None else bool(_get_json(f"{base}/v1/models")["data"])
     finally:
-        stop_server(server)
+        if server is not None:
+            stop_server(server)
     errors = [o for o in outcomes if o is None or "error" in o]
     wrong = [o for o in outcomes if o and "error" not in o and not o["aborted"] and o["received"] != o["asked"]]
-    rss = [s["rss_bytes"] for s in samples[1:]]  # after start-up
+    rss = [s["rss_bytes"] for s in samples[1:] if s["rss_bytes"] is not None]  # after start-up
     half = len(rss) // 2
     result = {
         "settings": {key: value for key, value in vars(args).items() if key != "func"},
@@ -202,12 +221,12 @@ def main(args) -> int:
     out = Path(args.out)
     (out / "soak.json").write_text(json.dumps(result, indent=2))
     plot(result, out / "soak.png")
-    rss = [s["rss_bytes"] / 2**20 for s in result["samples"]]
-    growth = "n/a" if result["rss_growth"] is None else f"{result['rss_growth']:+.1%}"
+    rss = [s["rss_bytes"] / 2**20 for s in result["samples"][1:] if s["rss_bytes"] is not None]
+    memory = (f"server RSS {rss[0]:.0f} -> {rss[-1]:.0f} MiB (second half vs first: {result['rss_growth']:+.1%})"
+              if rss and result["rss_growth"] is not None else "server RSS not read")
     print(f"{result['requests']} requests ({result['aborted']} aborted by the client) in {result['seconds']:.0f} s; "
           f"{result['compacted_requests']} compacted; errors {result['errors']}, incomplete {result['incomplete']}; "
-          f"compacted state left at the end: {len(result['compacted_running_at_end'])} requests; "
-          f"server RSS {rss[1] if len(rss) > 1 else rss[0]:.0f} -> {rss[-1]:.0f} MiB (second half vs first: {growth})")
+          f"compacted state left at the end: {len(result['compacted_running_at_end'])} requests; {memory}")
     ok = (not result["errors"] and not result["incomplete"] and not result["compacted_running_at_end"]
           and result["server_alive_at_end"])
     return 0 if ok else 1
@@ -222,7 +241,9 @@ def plot(result: dict, path: Path) -> None:
     samples = result["samples"]
     done = [s["requests_done"] for s in samples]
     figure, left = plt.subplots(figsize=(6.4, 3.6))
-    left.plot(done, [s["rss_bytes"] / 2**20 for s in samples], marker="o", color="tab:blue", label="server RSS (MiB)")
+    measured = [s for s in samples if s["rss_bytes"] is not None]
+    left.plot([s["requests_done"] for s in measured], [s["rss_bytes"] / 2**20 for s in measured], marker="o",
+              color="tab:blue", label="server RSS (MiB)")
     left.set_xlabel("requests finished")
     left.set_ylabel("server RSS, all processes (MiB)")
     left.set_ylim(bottom=0)
