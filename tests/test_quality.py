@@ -1033,6 +1033,28 @@ def test_math_problems_chosen_by_id_are_answered_in_dataset_order(tokenizer, tmp
     assert "2 problems, chosen by id: math500-7, math500-3;" in text_tables(record)
 
 
+def test_problems_chosen_by_id_extend_a_run_in_chunks(tokenizer, tmp_path):
+    """A run split into chunks: a later list of ids that starts with the folder's list reuses its answers and
+    answers only the new problems; a list that does not start with it is refused."""
+    from trikv.benchmarks.quality.runner import config_from_preset, run_quality
+
+    model = tiny_model(vocab_size=len(tokenizer))
+    setup = dict(tasks=["math"], methods=["streaming"], budgets=[32], math_samples=1, math_max_new_tokens=3, math_temperature=0.0)
+    messages = []
+    run_quality(config_from_preset("quick", math_problems=["math500-3"], **setup), tmp_path, model=model,
+                tokenizer=tokenizer, progress=False, log=lambda *a: None)
+    unit = tmp_path / "units" / "math-math500__streaming__32.json"
+    first = json.loads(unit.read_text())["records"]
+    run_quality(config_from_preset("quick", math_problems=["math500-3", "math500-7"], **setup), tmp_path, model=model,
+                tokenizer=tokenizer, progress=False, log=messages.append)
+    records = json.loads(unit.read_text())["records"]
+    assert [r["id"] for r in records] == ["math500-3", "math500-7"] and records[0] == first[0]
+    assert any("math problems by id 1 -> 2" in m for m in messages) and any("(1 of 2 problems answered now" in m for m in messages)
+    with pytest.raises(ValueError, match="differs in math_problems"):
+        run_quality(config_from_preset("quick", math_problems=["math500-9"], **setup), tmp_path, model=model,
+                    tokenizer=tokenizer, progress=False, log=lambda *a: None)
+
+
 def test_bad_math_problem_ids_are_refused_with_the_reason():
     from trikv.benchmarks.quality.runner import config_from_preset
 

@@ -32,6 +32,11 @@ def add_arguments(parser) -> None:
     parser.add_argument("--budgets", default="512", help="comma-separated budgets for the bounded methods (default 512)")
     parser.add_argument("--divide-length", type=int, default=128)
     parser.add_argument("--block-size", type=int, default=32)
+    parser.add_argument("--stagger", type=int,
+                        help="bounded runs: the first prompts' lengths spread over this many tokens, so that their rounds do "
+                             "not fall due on one step (default: --divide-length; 0 aligns every request's rounds)")
+    parser.add_argument("--max-rounds-per-step", type=int,
+                        help="bounded runs: trikv's max_rounds_per_step (at most this many rounds start per step)")
     parser.add_argument("--window", type=float, default=150.0, help="seconds measured in steady state (default 150)")
     parser.add_argument("--warmup-max", type=float, default=600.0, help="longest warm-up before the window (default 600 s)")
     parser.add_argument("--settle", type=float, default=30.0,
@@ -59,12 +64,14 @@ def _spec(args, config: dict, mode: str, out: Path, port: int) -> dict:
     spec = {
         "model": args.model, "dtype": args.dtype, "block_size": args.block_size, "length": args.length,
         "concurrency": config["concurrency"], "pool_blocks": pool_blocks, "max_batched_tokens": 2048, "short_prompt": 32,
-        "stagger": args.divide_length, "settle": args.settle,
+        "stagger": args.divide_length if args.stagger is None else args.stagger, "settle": args.settle,
         "warmup_max": args.warmup_max, "window": args.window, "mode": mode, "port": port,
         "log": str(out / f"{_label(config)}-{mode}.server.log"), "in_process": args.in_process and mode == "offline",
     }
     if config["method"] != "full":
         trikv = {"method": config["method"], "budget": config["budget"], "divide_length": args.divide_length}
+        if args.max_rounds_per_step is not None:
+            trikv["max_rounds_per_step"] = args.max_rounds_per_step
         from ..policies import REGISTRY
 
         if REGISTRY[config["method"]].needs_stats:

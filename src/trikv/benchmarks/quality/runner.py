@@ -291,7 +291,13 @@ class QualityRun:
             previous_limit = previous.get("config", {}).get("math_limit", self.config.math_limit)
             previous_cap = previous.get("config", {}).get("math_max_new_tokens", self.config.math_max_new_tokens)
             raised_cap = self.config.math_temperature == 0 and previous_cap < self.config.math_max_new_tokens
+            # problems chosen by id extend a folder's run when the earlier list is where the new one starts (a run
+            # split into chunks): the earlier answers are the new run's first ones
+            previous_ids = previous.get("config", {}).get("math_problems", self.config.math_problems)
+            ids = self.config.math_problems
+            extends = previous_ids is not None and ids is not None and list(ids[: len(previous_ids)]) == list(previous_ids)
             same_extent = dataclasses.replace(self.config, math_limit=previous_limit,
+                                              math_problems=previous_ids if extends else ids,
                                               math_max_new_tokens=previous_cap if raised_cap else self.config.math_max_new_tokens)
             if previous.get("fingerprint") != same_extent.fingerprint() or same_extent != self.config:
                 if self._previous_setup(previous) != same_extent.fingerprint(grid=False):
@@ -305,6 +311,8 @@ class QualityRun:
                 # same setup, other methods or budgets: the cells both grids share are reused, the rest computed
                 problems = (f"; math problems {previous_limit or 'all'} -> {self.config.math_limit or 'all'}"
                             if previous_limit != self.config.math_limit else "")
+                if extends and len(ids) != len(previous_ids):
+                    problems += f"; math problems by id {len(previous_ids)} -> {len(ids)}"
                 if raised_cap:
                     problems += (f"; math token cap {previous_cap} -> {self.config.math_max_new_tokens}: only the answers "
                                  f"that reached {previous_cap} tokens are generated again")
