@@ -866,9 +866,16 @@ def preregistration_lines(preregistration: dict, named_records: list[tuple[str, 
     ours = sum(cell["by_problem"][q] for q in shared) / len(shared)
     theirs = sum(other["by_problem"][q] for q in shared) / len(shared)
     registered = preregistration.get("problems")
+    # paired 95% bootstrap interval of the difference, resampling problems (both methods on the same resamples)
+    import numpy as np
+
+    from .intervals import percentile_interval, resample_weights
+
+    differences = np.array([cell["by_problem"][q] - other["by_problem"][q] for q in shared], dtype=np.float64)
+    low, high = percentile_interval(resample_weights(len(shared)) @ differences / len(shared))
     figures = (f"`{candidate}` {ours:.3f} vs `{baseline}` {theirs:.3f} on {len(shared)} problems "
-               f"({100 * (ours - theirs):+.1f} points; +{gained:g} / -{lost:g} problems, "
-               f"two-sided sign test p {sign_test(better, worse):.2f})")
+               f"({100 * (ours - theirs):+.1f} points [95% paired bootstrap {100 * low:+.1f}, {100 * high:+.1f}]; "
+               f"+{gained:g} / -{lost:g} problems, two-sided sign test p {sign_test(better, worse):.2f})")
     if registered is not None and len(shared) < registered:  # judged only on the registered problems, all of them
         lines.append(f"Interim, no outcome yet: {figures}; the test is judged when both have answered all {registered}.")
         return lines
