@@ -6,6 +6,12 @@ pool (`--pool-requests` full-attention requests of `--length` tokens) and the sa
 steady-state window). Results: `serving.json` in `--out` (every run, plus the ratios against full attention
 at the same concurrency), a table on stdout, `throughput.png`; `trikv bench serve-report` turns run folders
 into `docs/serving.md`.
+
+`--max-batch` measures as the TriAttention paper reports throughput, "at maximum batch size": each engine climbs
+the `--concurrency` ladder at the same pool until its output tokens/s gains less than `--min-gain` or the pool
+preempts, and engines are compared at their own best. Beside each best, a floor run (full attention with
+`--floor-length`-token requests at that concurrency: attention costs almost nothing) shows how close the engine
+is to what the machine does per token, and the rounds' share of the run's time is reported.
 """
 
 from __future__ import annotations
@@ -45,6 +51,13 @@ def add_arguments(parser) -> None:
     parser.add_argument("--in-process", action="store_true",
                         help="offline runs: vLLM's engine core and worker inside the measuring process (starts in seconds; "
                              "the default runs them in their own processes, as vLLM is deployed)")
+    parser.add_argument("--max-batch", action="store_true",
+                        help="the paper's protocol: every engine climbs the --concurrency ladder (e.g. 8,16,32,64,128) until its "
+                             "output tokens/s gains less than --min-gain or its pool preempts, and is compared at its own best; "
+                             "a short-context floor run (full attention, --floor-length-token requests) at each engine's best "
+                             "concurrency shows what this machine does per token when attention costs almost nothing")
+    parser.add_argument("--min-gain", type=float, default=0.03, help="--max-batch: smallest relative gain that keeps climbing (default 0.03)")
+    parser.add_argument("--floor-length", type=int, default=512, help="--max-batch: request length of the floor runs (default 512)")
     parser.add_argument("--out", default="runs/serve", help="output folder (default runs/serve)")
     parser.set_defaults(func=main)
 
@@ -110,7 +123,9 @@ def main(args) -> int:
         raise ValueError(f"--modes takes offline and/or http, got {args.modes!r}")
     runs = []
     started = time.perf_counter()
-    for index, config in enumerate(configs):
+    if args.max_batch:
+        runs, summary = max_batch(args, configs, modes[0], out)
+    for index, config in enumerate([] if args.max_batch else configs):
         for mode in modes:
             label = f"{_label(config)}-{mode}"
             print(f"[{index + 1}/{len(configs)}] {label} ...", flush=True)
@@ -127,10 +142,85 @@ def main(args) -> int:
         "elapsed_seconds": time.perf_counter() - started,
         "machine": _machine(),
     }
+    if args.max_batch:
+        record["max_batch"] = summary
     (out / "serving.json").write_text(json.dumps(record, indent=2))
     print(format_table(record))
+    if args.max_batch:
+        print(format_max_batch(record))
     plot(record, out / "throughput.png")
     return 0
+
+
+def max_batch(args, configs: list[dict], mode: str, out: Path) -> tuple[list[dict], list[dict]]:
+    """Every engine (method, budget) at the concurrency where its own throughput peaks, and a short-context floor
+    run at that concurrency; the ratio of each bounded engine's best to full attention's best."""
+    ladder = sorted({config["concurrency"] for config in configs})
+    engines = list(dict.fromkeys((config["method"], config["budget"]) for config in configs))
+    runs, summary, floors = [], [], {}
+    port = 8100
+    for method, budget in engines:
+        best, stopped = None, f"top of the ladder ({ladder[-1]})"
+        for concurrency in ladder:
+            config = {"method": method, "budget": budget, "concurrency": concurrency}
+            label = f"{_label(config)}-{mode}"
+            print(f"[max-batch] {label} ...", flush=True)
+            port += 1
+            result = run_one(_spec(args, config, mode, out, port), out, label)
+            run = {**config, "mode": mode, **{k: v for k, v in result.items() if k != "spec"}}
+            runs.append(run)
+            print(f"    {run['output_tokens_per_second']:.1f} output tok/s, {int(run.get('preemptions_in_window') or 0)} preemptions",
+                  flush=True)
+            gained = best is None or run["output_tokens_per_second"] >= best["output_tokens_per_second"] * (1 + args.min_gain)
+            if best is None or run["output_tokens_per_second"] > best["output_tokens_per_second"]:
+                best = run
+            if run.get("preemptions_in_window"):
+                stopped = f"the pool preempts at {concurrency}"
+                break
+            if not gained:
+                stopped = f"throughput stopped rising at {concurrency} (< +{args.min_gain:.0%})"
+                break
+        if best["concurrency"] not in floors:  # one floor run per concurrency, shared by the engines that peak there
+            floor_config = {"method": "full", "budget": None, "concurrency": best["concurrency"]}
+            floor_spec = _spec(args, floor_config, mode, out, port + 1000)
+            # short requests in a pool sized for long ones never fill it: the floor's warm-up is `settle` seconds
+            floor_spec.update(length=args.floor_length, warmup_max=min(args.warmup_max, args.settle),
+                              log=str(out / f"floor-n{best['concurrency']}-{mode}.server.log"))
+            print(f"[max-batch] floor: full attention, {args.floor_length}-token requests, {best['concurrency']} slots ...", flush=True)
+            floors[best["concurrency"]] = run_one(floor_spec, out, f"floor-n{best['concurrency']}-{mode}")
+        floor = floors[best["concurrency"]]
+        trikv = best.get("trikv") or {}
+        elapsed = (best.get("warmup_seconds") or 0) + (best.get("window_seconds") or 0)
+        summary.append({
+            "method": method, "budget": budget, "best_concurrency": best["concurrency"],
+            "tokens_per_second": best["output_tokens_per_second"], "stopped": stopped,
+            "tpot_p50": best["tpot_seconds"]["p50"], "tpot_p99": best["tpot_seconds"]["p99"],
+            "floor_tokens_per_second": floor["output_tokens_per_second"],
+            "share_of_floor": best["output_tokens_per_second"] / floor["output_tokens_per_second"] if floor["output_tokens_per_second"] else None,
+            # compaction time over the whole run (warm-up and window) against its length: an upper estimate of its share
+            "compaction_share": trikv["seconds"] / elapsed if trikv and elapsed else None,
+        })
+    full = next((entry for entry in summary if entry["method"] == "full"), None)
+    for entry in summary:
+        entry["best_vs_full_best"] = (entry["tokens_per_second"] / full["tokens_per_second"]
+                                      if full and full["tokens_per_second"] and entry is not full else None)
+    _add_ratios(runs)
+    return runs, summary
+
+
+def format_max_batch(record: dict) -> str:
+    header = (f"{'engine':<22} {'best n':>6} {'tok/s':>7} {'x full best':>11} {'floor tok/s':>11} {'of floor':>8} "
+              f"{'TPOT p99/p50':>12} {'compaction':>10}  stopped")
+    lines = ["max batch: each engine at its own best concurrency", header, "-" * len(header)]
+    for entry in record["max_batch"]:
+        name = entry["method"] if entry["budget"] is None else f"{entry['method']} B={entry['budget']}"
+        ratio = "-" if entry["best_vs_full_best"] is None else f"x{entry['best_vs_full_best']:.2f}"
+        share = "-" if entry["share_of_floor"] is None else f"{entry['share_of_floor']:.0%}"
+        spread = "-" if not entry["tpot_p50"] else f"{entry['tpot_p99'] / entry['tpot_p50']:.2f}"
+        compaction = "-" if entry["compaction_share"] is None else f"{entry['compaction_share']:.1%}"
+        lines.append(f"{name:<22} {entry['best_concurrency']:>6} {entry['tokens_per_second']:>7.1f} {ratio:>11} "
+                     f"{entry['floor_tokens_per_second']:>11.1f} {share:>8} {spread:>12} {compaction:>10}  {entry['stopped']}")
+    return "\n".join(lines)
 
 
 def _add_ratios(runs: list[dict]) -> None:

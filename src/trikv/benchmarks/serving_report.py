@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 from .report_pages import embed_plot
-from .serving import TARGET_RATIO, format_table
+from .serving import TARGET_RATIO, format_max_batch, format_table
 
 
 def _seconds(value) -> str:
@@ -97,7 +97,14 @@ def write_serving_report(folders: list[str | Path], out: str | Path) -> Path:
             lines += ["| target | measured | status |", "|---|---|---|"]
             lines += [f"| {t} | {m} | {'n/a' if ok is None else ('met' if ok else '**not met**')} |" for t, m, ok in rows]
             lines.append("")
-        lines += ["```", format_table(record), "```", "", "What bounds the runs:", ""] + _bound_lines(record) + [""]
+        lines += ["```", format_table(record), "```", ""]
+        if record.get("max_batch"):
+            lines += ["Each engine at the concurrency where its own output throughput peaks (it climbs the slot ladder until "
+                      f"the gain falls under {settings.get('min_gain', 0.03):.0%} or its pool preempts); `floor`: full attention "
+                      f"with {settings.get('floor_length', 512)}-token requests at that concurrency, what this machine does "
+                      "per token when attention costs almost nothing; `compaction`: the rounds' time over the run's time.",
+                      "", "```", format_max_batch(record), "```", ""]
+        lines += ["What bounds the runs:", ""] + _bound_lines(record) + [""]
         png = folder / "throughput.png"
         if png.is_file():
             lines += embed_plot(png, assets, f"{index}_{name}", name)
