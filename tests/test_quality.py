@@ -411,6 +411,13 @@ def test_grader_accepts_half_and_rejects_two_vs_three():
     assert not grader.math_equal("2", "3")
 
 
+def test_grader_compares_answers_with_commas_only_inside_brackets():
+    # one top-level part each: compared whole (splitting them again recursed without end)
+    assert not grader.math_equal("g(1,2)", "g(1, 3)")
+    assert grader.math_equal("f(1,2)", "f(1, 2)")
+    assert grader.math_equal("\\frac{1}{2},3", "0.5, 3")
+
+
 def test_grader_tricky_pairs():
     wrong_accepts = [pair for pair in REJECT if grader.math_equal(*pair)]
     wrong_rejects = [pair for pair in ACCEPT if not grader.math_equal(*pair)]

@@ -315,9 +315,10 @@ def math_equal(prediction: str, reference: str, timeout: float | None = 3.0) -> 
         return False
     if "," in a and "," in b:
         pa, pb = _split_top_level(a), _split_top_level(b)
-        if len(pa) != len(pb):
-            return False
-        return all(math_equal(p, q, timeout) for p, q in zip(pa, pb))
+        if len(pa) > 1 or len(pb) > 1:  # commas inside brackets only ("f(1,2)") leave one part: compared whole below
+            if len(pa) != len(pb):
+                return False
+            return all(math_equal(p, q, timeout) for p, q in zip(pa, pb))
     if re.fullmatch(r"[A-Za-z ]+", a) and re.fullmatch(r"[A-Za-z ]+", b) and len(a) > 2 and len(b) > 2:
         return False  # different words ("even" vs "odd")
     if x is not None and y is None and re.search(r"[a-zA-Z]", b.replace("\\frac", "").replace("\\sqrt", "").replace("\\pi", "").replace("pi", "")):
