@@ -214,10 +214,11 @@ def test_preregistered_outcome_is_computed_from_the_run():
                     method: {"128": {"pass@1": sum(s.values()) / 4, "problems": 4, "by_problem": s}} for method, s in cells.items()}}}}
 
     assert preregistration_lines(registration, [])[-1] == "Outcome: not run yet."
-    met = preregistration_lines(registration, [("held", record([1.0, 1.0, 1.0, 0.0]))])[-1]
+    met = preregistration_lines(registration, [("held", record([1.0, 1.0, 1.0, 0.0]))])[-2]
     # one problem of four gained: +25 points, its paired bootstrap over problems [0, +75] (P(3+ of 4 draws) = 5.1%)
-    assert "is **met**" in met and "+25.0 points [95% paired bootstrap +0.0, +75.0]" in met, met
-    assert "is **not met**" in preregistration_lines(registration, [("held", record([0.0, 0.0, 1.0, 0.0]))])[-1]
+    assert "is **met** (the interval spans 0" in met and "+25.0 points [95% paired bootstrap +0.0, +75.0]" in met, met
+    assert "is **not met**" in preregistration_lines(registration, [("held", record([0.0, 0.0, 1.0, 0.0]))])[-2]
+    assert preregistration_lines(registration, [("held", record([0.0, 0.0, 1.0, 0.0]))])[-1] == "Methods run on these problems: `rkv`, `triattention`."
     # an interim result (fewer problems answered than registered) states no outcome
     interim = preregistration_lines({**registration, "problems": 5}, [("held", record([1.0, 1.0, 1.0, 0.0]))])[-1]
     assert interim.startswith("Interim, no outcome yet") and "met" not in interim and "on 4 problems" in interim

@@ -879,7 +879,12 @@ def preregistration_lines(preregistration: dict, named_records: list[tuple[str, 
     if registered is not None and len(shared) < registered:  # judged only on the registered problems, all of them
         lines.append(f"Interim, no outcome yet: {figures}; the test is judged when both have answered all {registered}.")
         return lines
-    lines.append(f"Outcome: {figures}: the pre-registered hypothesis is " + ("**met**" if ours >= theirs else "**not met**") + ".")
+    separated = ("the interval spans 0: the two are not distinguishable on these problems" if low <= 0 <= high
+                 else "the interval excludes 0")
+    lines.append(f"Outcome: {figures}: the pre-registered hypothesis is " + ("**met**" if ours >= theirs else "**not met**")
+                 + f" ({separated}).")
+    ran = sorted(method for method in table if _cell(table, method, budget))
+    lines.append(f"Methods run on these problems: {', '.join(f'`{m}`' for m in ran)}.")
     return lines
 
 
