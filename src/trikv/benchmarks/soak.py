@@ -26,7 +26,7 @@ from . import register_bench
 
 def add_arguments(parser) -> None:
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--method", default="triattention")
+    parser.add_argument("--method", default="triattention", help="a method vLLM runs, or full (plain vLLM: the control)")
     parser.add_argument("--budget", type=int, default=64)
     parser.add_argument("--divide-length", type=int, default=32)
     parser.add_argument("--requests", type=int, default=2000, help="requests to send (default 2000)")
@@ -114,6 +114,7 @@ def run_soak(args) -> dict:
     pid = server.pid if server is not None else args.server_pid
     try:
         stats_url = f"{base}/trikv/stats"
+        bounded = args.method != "full"
         served_model = _get_json(f"{base}/v1/models")["data"][0]["id"]
         tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(args.model))
         source = _text_ids(tokenizer, 8192)
@@ -134,12 +135,12 @@ def run_soak(args) -> dict:
         started = time.perf_counter()
 
         def sample() -> None:
-            stats = _get_json(stats_url)
+            stats = _get_json(stats_url) if bounded else None  # full attention (the control): plain vLLM, no trikv stats
             samples.append({"requests_done": finished[0], "seconds": time.perf_counter() - started,
                             "rss_bytes": server_rss_bytes(pid) if pid else None,
-                            "compacted_requests": sum(rank["compacted_requests"] for rank in stats),
-                            "compacted_running": max(len(rank["compacted_running"]) for rank in stats),
-                            "rounds": stats[0]["rounds"]})
+                            "compacted_requests": sum(rank["compacted_requests"] for rank in stats) if stats else None,
+                            "compacted_running": max(len(rank["compacted_running"]) for rank in stats) if stats else None,
+                            "rounds": stats[0]["rounds"] if stats else None})
 
         def one(index: int) -> dict:
             prompt, max_tokens, abort_after = plan[index]
@@ -189,7 +190,7 @@ def run_soak(args) -> dict:
                                           data=json.dumps({"model": served_model, "prompt": [1, 2, 3], "max_tokens": 1}).encode())
         urllib.request.urlopen(one_more, timeout=300).read()
         sample()
-        final = _get_json(stats_url)
+        final = _get_json(stats_url) if bounded else []
         alive = server.poll() is None if server is not None else bool(_get_json(f"{base}/v1/models")["data"])
     finally:
         if server is not None:
@@ -239,7 +240,6 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     samples = result["samples"]
-    done = [s["requests_done"] for s in samples]
     figure, left = plt.subplots(figsize=(6.4, 3.6))
     measured = [s for s in samples if s["rss_bytes"] is not None]
     left.plot([s["requests_done"] for s in measured], [s["rss_bytes"] / 2**20 for s in measured], marker="o",
@@ -248,8 +248,8 @@ def plot(result: dict, path: Path) -> None:
     left.set_ylabel("server RSS, all processes (MiB)")
     left.set_ylim(bottom=0)
     right = left.twinx()
-    right.plot(done, [s["compacted_running"] for s in samples], marker=".", color="tab:orange",
-               label="requests with compacted state held")
+    held = [(s["requests_done"], s["compacted_running"]) for s in samples if s["compacted_running"] is not None]
+    right.plot([d for d, _ in held], [h for _, h in held], marker=".", color="tab:orange", label="requests with compacted state held")
     right.set_ylabel("compacted state held (requests)")
     right.set_ylim(bottom=0)
     settings = result["settings"]
