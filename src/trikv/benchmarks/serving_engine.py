@@ -232,14 +232,7 @@ def run_http(spec: dict) -> dict:
     with open(log_path, "w") as log:
         server = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        while True:
-            if server.poll() is not None:
-                raise RuntimeError(f"server exited: {log_path.read_text()[-3000:]}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
-                    break
-            except OSError:
-                time.sleep(2)
+        wait_ready(server, port, log_path, timeout=spec.get("warmup_max", 600) + 600)
         startup = time.perf_counter() - started
         tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(spec["model"]))
         first = _prompts(spec, tokenizer)
@@ -296,6 +289,23 @@ def run_http(spec: dict) -> dict:
         return result
     finally:
         stop_server(server)
+
+
+def wait_ready(server, port: int, log_path: Path, timeout: float = 600) -> None:
+    """Wait until the server started in `server` (a Popen) answers /health; its log's tail if it exits or times out."""
+    import urllib.request
+
+    deadline = time.time() + timeout
+    while True:
+        if server.poll() is not None:
+            raise RuntimeError(f"server exited:\n{log_path.read_text()[-4000:]}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+                return
+        except OSError:
+            if time.time() > deadline:
+                raise RuntimeError(f"server not ready after {timeout:.0f} s:\n{log_path.read_text()[-4000:]}") from None
+            time.sleep(2)
 
 
 def stop_server(server) -> None:

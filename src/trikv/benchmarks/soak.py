@@ -58,26 +58,10 @@ def _get_json(url: str):
         return json.loads(response.read())
 
 
-def _wait_ready(server, port: int, log_path: Path, timeout: float = 600) -> None:
-    import urllib.request
-
-    deadline = time.time() + timeout
-    while True:
-        if server.poll() is not None:
-            raise RuntimeError(f"server exited:\n{log_path.read_text()[-4000:]}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
-                return
-        except OSError:
-            if time.time() > deadline:
-                raise RuntimeError(f"server not ready after {timeout:.0f} s:\n{log_path.read_text()[-4000:]}") from None
-            time.sleep(2)
-
-
 def _start_server(args, longest: int, log_path: Path):
     import os
 
-    from .serving_engine import stop_server
+    from .serving_engine import stop_server, wait_ready
 
     command = [sys.executable, "-m", "trikv.cli", "serve", "--model", args.model, "--method", args.method,
                "--budget", str(args.budget), "--divide-length", str(args.divide_length), "--port", str(args.port), "--",
@@ -88,7 +72,7 @@ def _start_server(args, longest: int, log_path: Path):
     with open(log_path, "w") as log:
         server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
-        _wait_ready(server, args.port, log_path)
+        wait_ready(server, args.port, log_path)
     except BaseException:
         stop_server(server)
         raise
