@@ -86,7 +86,6 @@ class TriKVScheduler(Scheduler):
         self.trikv_rounds = 0
         self.trikv_blocks_freed = 0
         self.trikv_preemptions = 0
-        self.trikv_deferred = 0  # rounds put off by max_rounds_per_step
         self._trikv_announced: set[str] = set()  # requests whose first round was logged
         self._trikv_budgets: dict[str, int | None] = {}  # request -> its budget (None: full attention)
         self._trikv_manager = full_attention_manager(self.kv_cache_manager.coordinator.single_type_managers)
@@ -175,9 +174,9 @@ class TriKVScheduler(Scheduler):
         if limit is None or len(due) <= limit:
             return due
         due = sorted(due, key=lambda item: -item[2])
-        must = [item for item in due if item[2] >= item[1] + self.trikv.divide_length + self.block_size]
-        rest = [item for item in due if item[2] < item[1] + self.trikv.divide_length + self.block_size]
-        self.trikv_deferred += max(0, len(rest) - max(0, limit - len(must)))
+        waits = [length < budget + self.trikv.divide_length + self.block_size for _, budget, length in due]
+        must = [item for item, can_wait in zip(due, waits) if not can_wait]
+        rest = [item for item, can_wait in zip(due, waits) if can_wait]
         return must + rest[: max(0, limit - len(must))]
 
     def _compacts_while_prefilling(self, request) -> bool:
