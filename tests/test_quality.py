@@ -1040,6 +1040,14 @@ def test_math_problems_chosen_by_id_are_answered_in_dataset_order(tokenizer, tmp
     assert "2 problems, chosen by id: math500-7, math500-3;" in text_tables(record)
 
 
+def test_consecutive_problem_ids_are_written_as_ranges():
+    from trikv.benchmarks.quality.report import _id_ranges
+
+    ids = [f"math500-{i}" for i in range(300, 400)] + ["math500-7", "math500-3", "aime25-2", "aime25-3", "aime24-4"]
+    assert _id_ranges(ids) == "math500-300..math500-399, math500-7, math500-3, aime25-2..aime25-3, aime24-4"
+    assert _id_ranges(["math500-9"]) == "math500-9"
+
+
 def test_problems_chosen_by_id_extend_a_run_in_chunks(tokenizer, tmp_path):
     """A run split into chunks: a later list of ids that starts with the folder's list reuses its answers and
     answers only the new problems; a list that does not start with it is refused."""

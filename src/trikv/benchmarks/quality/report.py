@@ -297,7 +297,7 @@ def sections(record: dict, markdown: bool) -> list[tuple[str, str]]:
             decoding = f"T {temperature:g}, top-p {meta.get('top_p', 0.95):g}" if temperature > 0 else "greedy"
             batching = (f", {meta['problems_per_batch']} problems per batch" if meta.get("problems_per_batch", 1) > 1 else "")
             chosen = [i for i in meta.get("problems") or [] if i.rpartition("-")[0] == dataset]
-            selection = f" chosen by id: {', '.join(chosen)};" if chosen else ""
+            selection = f" chosen by id: {_id_ranges(chosen)};" if chosen else ""
             out.append((f"Math {dataset}: pass@1 [95% bootstrap interval over problems] ({n} problems,{selection} "
                         f"{meta['samples']} samples, {decoding}, {meta['max_new_tokens']} new tokens, "
                         f"{meta.get('engine', 'transformers')} engine, {meta.get('dtype', 'float32')}{batching}{held_out})",
@@ -328,6 +328,19 @@ def sections(record: dict, markdown: bool) -> list[tuple[str, str]]:
                             "(points; +/-: problems only the variant / only the baseline solves; p: exact sign test)",
                             render(["budget", "variant", "baseline", "points", "+/-", "p"], against, markdown)))
     return out
+
+
+def _id_ranges(problem_ids: list[str]) -> str:
+    """Problem ids with runs of consecutive rows written as ranges: math500-300..math500-399, aime25-2."""
+    parts: list[list[str]] = []
+    for problem_id in problem_ids:
+        dataset, _, row = problem_id.rpartition("-")
+        previous = parts[-1][-1].rpartition("-") if parts else ("", "", "")
+        if parts and previous[0] == dataset and row.isdigit() and previous[2].isdigit() and int(row) == int(previous[2]) + 1:
+            parts[-1].append(problem_id)
+        else:
+            parts.append([problem_id])
+    return ", ".join(run[0] if len(run) == 1 else f"{run[0]}..{run[-1]}" for run in parts)
 
 
 def sign_test(wins: int, losses: int) -> float:
