@@ -3,6 +3,7 @@
 The paper calibrates on full-attention reasoning traces; we do the same with the bundled model, on
 MATH-500 problems 250-297 (the evaluation tasks use other texts), sampled at T=0.6, top-p 0.95, seed 0.
 Usage: python scripts/make_calibration_text.py [--model smollm2-135m] [--out src/trikv/data/calibration/...]
+       [--device cuda --dtype bfloat16]
 The rows used are written to the provenance file and skipped by every math evaluation.
 """
 
@@ -26,10 +27,12 @@ def main():
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--engine", default="lean", help="transformers or lean (same tokens, faster on CPU)")
     parser.add_argument("--out", default="src/trikv/data/calibration/smollm2-135m-math500-traces.txt")
+    parser.add_argument("--device", default="cpu", help="where the model runs, e.g. cuda")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     args = parser.parse_args()
     rows = [json.loads(line) for line in (files("trikv") / "data/datasets/math500.jsonl").read_text().splitlines()]
     problems = [rows[i]["problem"] for i in range(args.first, args.first + args.count)]
-    model, tokenizer = trikv.load_model(args.model)
+    model, tokenizer = trikv.load_model(args.model, dtype=getattr(torch, args.dtype), device=args.device)
     traces = []
     for start in range(0, len(problems), args.batch):
         batch = problems[start : start + args.batch]

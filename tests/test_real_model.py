@@ -110,13 +110,15 @@ def test_calibrate_command(tmp_path):
     text.write_text("The quick brown fox jumps over the lazy dog. " * 60)
     out = tmp_path / "stats.safetensors"
     result = subprocess.run(
-        [sys.executable, "-m", "trikv.cli", "calibrate", "--model", "smollm2-135m", "--text", str(text), "--out", str(out), "--max-tokens", "256"],
+        [sys.executable, "-m", "trikv.cli", "calibrate", "--model", "smollm2-135m", "--text", str(text), "--out", str(out), "--max-tokens", "256",
+         "--dtype", "bfloat16", "--device", "cpu"],
         capture_output=True, text=True, timeout=600,
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "R > 0.9:" in result.stdout and "R > 0.95:" in result.stdout
     stats = trikv.QueryStats.load(out)
     assert stats.metadata["token_count"] == 256 and stats.metadata["calibration_source"] == "text.txt"
+    assert stats.metadata["dtype"] == "bfloat16"  # the model ran in the dtype asked for
 
 
 def test_calibrate_command_reports_missing_file(tmp_path):

@@ -20,10 +20,15 @@ def _add_calibrate(sub) -> None:
     p.add_argument("--all-layers", action="store_true",
                    help="cover every layer (for analysis); by default a hybrid model's statistics cover the "
                         "full-attention layers its cache bounds")
+    p.add_argument("--device", default="cpu", help="where the model runs, e.g. cuda (default cpu)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="model weights' dtype (the statistics are accumulated in float64 whatever it is)")
     p.set_defaults(func=cmd_calibrate)
 
 
 def cmd_calibrate(args) -> int:
+    import torch
+
     from .calibration import calibrate
     from .models import load_model
     from .validation import integer
@@ -41,7 +46,7 @@ def cmd_calibrate(args) -> int:
     text = text_path.read_text(encoding="utf-8")
     if not text.strip():
         sys.exit(f"trikv calibrate: {text_path} is empty")
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype), device=args.device)
     ids = tokenizer(text, return_tensors="pt").input_ids[0][: args.max_tokens]
     started = time.perf_counter()
     stats = calibrate(model, ids, source=args.source or text_path.name, chunk_tokens=args.chunk_tokens, model_name=args.model,
