@@ -1,6 +1,8 @@
 """trikv inside vLLM (CPU build), on the bundled SmolLM2: same selection and tokens as the transformers path.
 
-Every engine runs in its own process (`vllm_scenario.py`); the transformers side runs here. The kept set of a
+The engines run outside the test process (`vllm_scenario.py`): the single-rank scenarios the selected tests
+name (`@pytest.mark.engines`) run once, one after the other in one interpreter, and tensor parallelism in its own
+processes; the transformers side runs here. The kept set of a
 round is recomputed independently: the same token sequence is replayed through trikv's transformers cache,
 whose policy scores each round itself; the vLLM round must keep the top-`budget` of those scores (entries
 whose score is within `tie` of the cut-off may swap: floating-point ties, counted and reported). The replay
@@ -37,20 +39,54 @@ POOL = 200  # KV blocks of the fp32 engine (vLLM's null block included)
 
 
 def run_engines(tmp_path: Path, specs: dict[str, dict]) -> dict[str, dict]:
-    """Run one engine per spec, one after the other (two CPU-bound engines at once only slow each other)."""
-    results = {}
+    """Run one engine per spec, one after the other (two CPU-bound engines at once only slow each other): the
+    in-process ones in one interpreter, the others (tensor parallelism, own environment) each in its own. A failed
+    engine's result is {"error": traceback}."""
+    pairs = {}
     for name, spec in specs.items():
         spec_path, result_path = tmp_path / f"{name}.json", tmp_path / f"{name}.result.json"
         spec_path.write_text(json.dumps({"model": "smollm2-135m", **spec}))
-        done = subprocess.run([sys.executable, str(HERE / "vllm_scenario.py"), str(spec_path), str(result_path)],
-                              capture_output=True, text=True, timeout=900)
-        assert done.returncode == 0, f"vLLM scenario {name} failed:\n{(done.stdout + done.stderr)[-6000:]}"
-        results[name] = json.loads(result_path.read_text())
+        result_path.unlink(missing_ok=True)
+        pairs[name] = [str(spec_path), str(result_path)]
+    shared = [name for name, spec in specs.items() if spec.get("in_process", True) and not spec.get("env")]
+    groups = ([shared] if shared else []) + [[name] for name in specs if name not in shared]
+    results = {}
+    for group in groups:
+        arguments = [path for name in group for path in pairs[name]]
+        done = subprocess.run([sys.executable, str(HERE / "vllm_scenario.py"), *arguments], capture_output=True, text=True,
+                              timeout=300 + 300 * len(group))
+        for name in group:
+            result_path = Path(pairs[name][1])
+            results[name] = (json.loads(result_path.read_text()) if result_path.exists()
+                             else {"error": f"the engine process exited with {done.returncode}:\n{(done.stdout + done.stderr)[-6000:]}"})
+            results[name]["spec"] = specs[name]
     return results
 
 
-def run_engine(tmp_path: Path, name: str, spec: dict) -> dict:
-    return run_engines(tmp_path, {name: spec})[name]
+def engine_run(runs: dict[str, dict], name: str) -> dict:
+    """The result of scenario `name`, or the test fails with the engine's error."""
+    assert name in runs, f"scenario {name!r} did not run: mark the test with @pytest.mark.engines({name!r})"
+    assert "error" not in runs[name], f"vLLM scenario {name} failed:\n{runs[name]['error'][-6000:]}"
+    return runs[name]
+
+
+SCENARIOS = {}  # name -> build(request, prompts) -> spec
+
+
+def scenario(name: str):
+    """Register the spec builder of an engine run; the tests that read its result carry @pytest.mark.engines(name)."""
+    def register(build):
+        SCENARIOS[name] = build
+        return build
+    return register
+
+
+@pytest.fixture(scope="module")
+def engine_runs(request, engines_dir, prompts) -> dict[str, dict]:
+    """Every scenario the selected tests of this module name, run once."""
+    wanted = list(dict.fromkeys(name for item in request.session.items if item.module is request.module
+                                for marker in item.iter_markers("engines") for name in marker.args))
+    return run_engines(engines_dir, {name: SCENARIOS[name](request, prompts) for name in wanted})
 
 
 @pytest.fixture(scope="module")
@@ -82,15 +118,19 @@ def _trikv_settings(method="triattention", **extra):
 OWN_BUDGET = 48  # a request's own budget (extra_args), below the server's
 
 
-@pytest.fixture(scope="module")
-def fp32_run(engines_dir, prompts):
+@scenario("fp32")
+def _fp32(request, prompts):
     """The prompts at the server's budget; then, in a second batch, the longest prompt twice: once with its own
     budget, once with full attention (both chosen through `extra_args`)."""
     own_choices = [{"trikv_budget": OWN_BUDGET}, {"trikv_budget": "full"}]
-    return run_engine(engines_dir, "fp32", {
-        "dtype": "float32", "trikv": _trikv_settings(allow_full_requests=True), "engine": {"num_gpu_blocks_override": POOL},
-        "batches": [{"prompts": prompts, "max_tokens": NEW_TOKENS},
-                    {"prompts": [prompts[2], prompts[2]], "max_tokens": 60, "extra_args": own_choices}]})
+    return {"dtype": "float32", "trikv": _trikv_settings(allow_full_requests=True), "engine": {"num_gpu_blocks_override": POOL},
+            "batches": [{"prompts": prompts, "max_tokens": NEW_TOKENS},
+                        {"prompts": [prompts[2], prompts[2]], "max_tokens": 60, "extra_args": own_choices}]}
+
+
+@pytest.fixture(scope="module")
+def fp32_run(engine_runs):
+    return engine_run(engine_runs, "fp32")
 
 
 def _rounds_of(result: dict, request_id: str, rank: int = 0) -> list[dict]:
@@ -150,6 +190,7 @@ def replay(model, method: str, request: dict, rounds: list[dict], tie: float, st
     return report
 
 
+@pytest.mark.engines("fp32")
 def test_eviction_keeps_what_transformers_keeps_fp32(real_model, fp32_run):
     model, _ = real_model
     stats = trikv.load_stats("smollm2-135m", model)
@@ -165,6 +206,7 @@ def test_eviction_keeps_what_transformers_keeps_fp32(real_model, fp32_run):
         assert report["predictions"] == request["tokens"]
 
 
+@pytest.mark.engines("fp32")
 def test_memory_after_each_round(fp32_run):
     first_batch = {r["request_id"] for r in fp32_run["batches"][0]["requests"]}
     rounds = [r for r in fp32_run["rounds"][0] if r["request_id"].split("-")[0] in first_batch]
@@ -182,15 +224,22 @@ def test_memory_after_each_round(fp32_run):
     assert all(r["freed_blocks"] >= 2 for r in first)
 
 
+@scenario("plain")
+def _plain(request, prompts):
+    return {"dtype": "float32", "trikv": None, "batches": [{"prompts": prompts, "max_tokens": 60}]}
+
+
+@scenario("large-budget")
+def _large_budget(request, prompts):
+    return {"dtype": "float32", "trikv": {**_trikv_settings(), "budget": 4096}, "batches": [{"prompts": prompts, "max_tokens": 60}]}
+
+
 @pytest.fixture(scope="module")
-def untouched_runs(engines_dir, prompts):
-    batches = [{"prompts": prompts, "max_tokens": 60}]
-    runs = run_engines(engines_dir, {"plain": {"dtype": "float32", "trikv": None, "batches": batches},
-                                     "large-budget": {"dtype": "float32", "batches": batches,
-                                                      "trikv": {**_trikv_settings(), "budget": 4096}}})
-    return runs["plain"], runs["large-budget"]
+def untouched_runs(engine_runs):
+    return engine_run(engine_runs, "plain"), engine_run(engine_runs, "large-budget")
 
 
+@pytest.mark.engines("fp32", "plain", "large-budget")
 def test_requests_choose_their_own_budget_or_full_attention(real_model, fp32_run, untouched_runs):
     """A request with `extra_args={"trikv_budget": 48}` keeps 48 entries per (layer, KV head) - the set the
     transformers path keeps at B = 48 - and holds the blocks of 48; one with "full" is never compacted and emits
@@ -208,6 +257,7 @@ def test_requests_choose_their_own_budget_or_full_attention(real_model, fp32_run
     assert full["tokens"] == plain["batches"][0]["requests"][2]["tokens"]
 
 
+@pytest.mark.engines("plain", "large-budget")
 def test_budget_above_every_request_equals_plain_vllm(untouched_runs):
     plain, bounded = untouched_runs
     assert [r["tokens"] for r in bounded["batches"][0]["requests"]] == [r["tokens"] for r in plain["batches"][0]["requests"]]
@@ -215,18 +265,16 @@ def test_budget_above_every_request_equals_plain_vllm(untouched_runs):
     assert bounded["stats"][0]["rounds"] == 0
 
 
-@pytest.fixture(scope="module")
-def baseline_runs(engines_dir, prompts):
-    return run_engines(engines_dir, {method: {"dtype": "float32", "trikv": _trikv_settings(method),
-                                              "batches": [{"prompts": prompts[1:], "max_tokens": 80}]}
-                                     for method in QUERY_FREE})
+for _method in QUERY_FREE:
+    scenario(_method)(lambda request, prompts, method=_method: {
+        "dtype": "float32", "trikv": _trikv_settings(method), "batches": [{"prompts": prompts[1:], "max_tokens": 80}]})
 
 
-@pytest.mark.parametrize("method", QUERY_FREE)
-def test_query_free_methods_keep_what_transformers_keeps(real_model, baseline_runs, method):
+@pytest.mark.parametrize("method", [pytest.param(method, marks=pytest.mark.engines(method)) for method in QUERY_FREE])
+def test_query_free_methods_keep_what_transformers_keeps(real_model, engine_runs, method):
     model, _ = real_model
     stats = trikv.load_stats("smollm2-135m", model) if method.startswith("triattention") else None
-    run = baseline_runs[method]
+    run = engine_run(engine_runs, method)
     for request in run["batches"][0]["requests"]:
         rounds = _rounds_of(run, request["request_id"])
         assert rounds
@@ -234,7 +282,13 @@ def test_query_free_methods_keep_what_transformers_keeps(real_model, baseline_ru
         assert report["predictions"] == request["tokens"]
 
 
-def test_bf16_pages_and_selection(real_model, engines_dir, prompts):
+@scenario("bf16")
+def _bf16(request, prompts):
+    return {"dtype": "bfloat16", "trikv": _trikv_settings(), "batches": [{"prompts": prompts[1:], "max_tokens": 110}]}
+
+
+@pytest.mark.engines("bf16")
+def test_bf16_pages_and_selection(real_model, engine_runs):
     """bf16 on this machine uses vLLM's AMX page layout (read exactly: test_page_codec_reads_and_writes_vllm_cpu_pages).
     vLLM's and transformers' bf16 forwards round differently, so scores near the cut-off swap often; every swap
     must be within half a standard deviation of the cut-off (a wrong key layout puts kept entries whole standard
@@ -243,8 +297,7 @@ def test_bf16_pages_and_selection(real_model, engines_dir, prompts):
     model, _ = real_model
     bf16_model = trikv.load_model("smollm2-135m", dtype=torch.bfloat16)[0]
     stats = trikv.load_stats("smollm2-135m", bf16_model)
-    run = run_engine(engines_dir, "bf16", {"dtype": "bfloat16", "trikv": _trikv_settings(),
-                                          "batches": [{"prompts": prompts[1:], "max_tokens": 110}]})
+    run = engine_run(engine_runs, "bf16")
     for request in run["batches"][0]["requests"]:
         rounds = _rounds_of(run, request["request_id"])
         assert len(rounds) >= 2
@@ -281,21 +334,32 @@ def hybrid_models(tmp_path_factory):
     return models
 
 
-@pytest.mark.parametrize("family", ["gemma3_text", "gpt_oss"])
-def test_hybrid_models_bound_their_global_layers_as_the_transformers_path_does(engines_dir, hybrid_models, family):
+def _hybrid(family: str):
+    def build(request, prompts):
+        folder = request.getfixturevalue("hybrid_models")[family][2]
+        generator = torch.Generator().manual_seed(11)
+        own_prompts = [torch.randint(1, 256, (n,), generator=generator).tolist() for n in (12, 40, 120)]
+        return {"model": str(folder / family), "dtype": "float32",
+                "trikv": {"method": "triattention", "budget": BUDGET, "divide_length": SLACK, "record_rounds": True,
+                          "stats": str(folder / f"{family}.safetensors")},
+                "engine": {"skip_tokenizer_init": True, "num_gpu_blocks_override": POOL},
+                "batches": [{"prompts": own_prompts, "max_tokens": NEW_TOKENS}]}
+    return build
+
+
+for _family in ("gemma3_text", "gpt_oss"):
+    scenario(f"hybrid-{_family}")(_hybrid(_family))
+
+
+@pytest.mark.parametrize("family", [pytest.param(family, marks=pytest.mark.engines(f"hybrid-{family}"))
+                                    for family in ("gemma3_text", "gpt_oss")])
+def test_hybrid_models_bound_their_global_layers_as_the_transformers_path_does(engine_runs, hybrid_models, family):
     """vLLM runs a hybrid model with one full-attention KV cache group and sliding-window groups; trikv compacts
     the full-attention group only (the sliding groups keep vLLM's window, here 48 tokens in blocks of 32): every
     round keeps what trikv's transformers cache keeps in the global layers, the greedy tokens are the
     transformers path's, and every block is back in the pool at the end."""
-    model, stats, folder = hybrid_models[family]
-    generator = torch.Generator().manual_seed(11)
-    prompts = [torch.randint(1, 256, (n,), generator=generator).tolist() for n in (12, 40, 120)]
-    run = run_engine(engines_dir, f"hybrid-{family}", {
-        "model": str(folder / family), "dtype": "float32",
-        "trikv": {"method": "triattention", "budget": BUDGET, "divide_length": SLACK, "record_rounds": True,
-                  "stats": str(folder / f"{family}.safetensors")},
-        "engine": {"skip_tokenizer_init": True, "num_gpu_blocks_override": POOL},
-        "batches": [{"prompts": prompts, "max_tokens": NEW_TOKENS}]})
+    model, stats, _ = hybrid_models[family]
+    run = engine_run(engine_runs, f"hybrid-{family}")
     assert run["free_blocks_at_end"] == POOL - 1
     for request in run["batches"][0]["requests"]:
         rounds = _rounds_of(run, request["request_id"])
@@ -316,19 +380,24 @@ def test_hybrid_models_bound_their_global_layers_as_the_transformers_path_does(e
             assert all(report["margins"][i] <= 0.05 for i in disagree)
 
 
-def test_real_gemma3_bounds_its_global_layers_as_the_transformers_path_does(engines_dir):
+@scenario("gemma3-270m")
+def _gemma3(request, prompts):
+    tokenizer = trikv.load_model("gemma3-270m")[1]
+    ids = tokenizer((Path(trikv.__file__).parent / "data" / "analysis_texts" / "prose.txt").read_text())["input_ids"]
+    return {"model": "gemma3-270m", "dtype": "float32",
+            "trikv": {"method": "triattention", "budget": BUDGET, "divide_length": SLACK, "record_rounds": True, "stats": "gemma3-270m"},
+            # the pool holds 200 blocks over all KV cache groups: enough for a 512-token request, not for 2,048
+            "engine": {"num_gpu_blocks_override": POOL, "max_model_len": 512},
+            "batches": [{"prompts": [ids[:12], ids[100:160]], "max_tokens": 120}]}
+
+
+@pytest.mark.engines("gemma3-270m")
+def test_real_gemma3_bounds_its_global_layers_as_the_transformers_path_does(engine_runs):
     """The bundled Gemma-3-270M (3 global layers among 15 sliding ones) with its shipped statistics: vLLM's rounds
     keep what trikv's transformers cache keeps, and the greedy tokens are the transformers path's."""
-    model, tokenizer = trikv.load_model("gemma3-270m")
+    model, _ = trikv.load_model("gemma3-270m")
     stats = trikv.load_stats("gemma3-270m", model)
-    text = (Path(trikv.__file__).parent / "data" / "analysis_texts" / "prose.txt").read_text()
-    ids = tokenizer(text)["input_ids"]
-    run = run_engine(engines_dir, "gemma3-270m", {
-        "model": "gemma3-270m", "dtype": "float32",
-        "trikv": {"method": "triattention", "budget": BUDGET, "divide_length": SLACK, "record_rounds": True, "stats": "gemma3-270m"},
-        # the pool holds 200 blocks over all KV cache groups: enough for a 512-token request, not for 2,048
-        "engine": {"num_gpu_blocks_override": POOL, "max_model_len": 512},
-        "batches": [{"prompts": [ids[:12], ids[100:160]], "max_tokens": 120}]})
+    run = engine_run(engine_runs, "gemma3-270m")
     assert run["free_blocks_at_end"] == POOL - 1
     for request in run["batches"][0]["requests"]:
         rounds = _rounds_of(run, request["request_id"])
@@ -343,37 +412,50 @@ def test_real_gemma3_bounds_its_global_layers_as_the_transformers_path_does(engi
         assert len(disagree) <= 2 and all(report["margins"][i] <= 0.05 for i in disagree)
 
 
-def test_bounded_requests_fit_four_times_more(engines_dir, prompts):
-    """A pool that holds k = 2 full-attention requests of 320 tokens runs 4k = 8 bounded requests at once
-    (B = 32, beta = 32: a request never holds more than 2 blocks of 32), without preemption."""
+@scenario("concurrency")
+def _concurrency(request, prompts):
     length, prompt_length, budget = 320, 24, 32
     pool = 2 * (length // BLOCK) + 1  # + vLLM's null block
     text_ids = prompts[2] + prompts[1]
     requests = [(text_ids[i:] + text_ids[:i])[:prompt_length] for i in range(8)]
-    run = run_engine(engines_dir, "concurrency", {
-        "dtype": "float32", "trikv": {**_trikv_settings(record_rounds=False), "budget": budget, "divide_length": 32},
-        "engine": {"num_gpu_blocks_override": pool, "max_model_len": length, "max_num_seqs": 16},
-        "batches": [{"prompts": requests, "max_tokens": length - prompt_length}],
-    })
+    return {"dtype": "float32", "trikv": {**_trikv_settings(record_rounds=False), "budget": budget, "divide_length": 32},
+            "engine": {"num_gpu_blocks_override": pool, "max_model_len": length, "max_num_seqs": 16},
+            "batches": [{"prompts": requests, "max_tokens": length - prompt_length}]}
+
+
+@pytest.mark.engines("concurrency")
+def test_bounded_requests_fit_four_times_more(engine_runs):
+    """A pool that holds k = 2 full-attention requests of 320 tokens runs 4k = 8 bounded requests at once
+    (B = 32, beta = 32: a request never holds more than 2 blocks of 32), without preemption."""
+    run = engine_run(engine_runs, "concurrency")
     stats = run["stats"][0]
     assert stats["max_running"] == 8
     assert stats["preemptions"] == 0
     assert stats["rounds"] >= 8 * 8
-    assert all(len(r["tokens"]) == length - prompt_length for r in run["batches"][0]["requests"])
+    new_tokens = run["spec"]["batches"][0]["max_tokens"]
+    assert all(len(r["tokens"]) == new_tokens for r in run["batches"][0]["requests"])
 
 
-def test_rounds_due_together_are_spread_over_steps(engines_dir, prompts):
+SPREAD_BUDGET, SPREAD_LIMIT = 32, 2
+
+
+@scenario("spread")
+def _spread(request, prompts):
+    text_ids = prompts[2] + prompts[1]
+    requests = [(text_ids[i:] + text_ids[:i])[:24] for i in range(8)]
+    return {"dtype": "float32",
+            "trikv": {**_trikv_settings(), "budget": SPREAD_BUDGET, "divide_length": SLACK, "max_rounds_per_step": SPREAD_LIMIT},
+            "engine": {"max_model_len": 320, "max_num_seqs": 8},
+            "batches": [{"prompts": requests, "max_tokens": 200}]}
+
+
+@pytest.mark.engines("spread")
+def test_rounds_due_together_are_spread_over_steps(engine_runs):
     """Eight requests with prompts of one length fall due on the same step; with max_rounds_per_step = 2 at most
     two rounds start per step (their positions say when: the requests advance together), the others wait a few
     tokens within one extra block, and everything completes with every block back."""
-    budget, prompt_length, limit = 32, 24, 2
-    text_ids = prompts[2] + prompts[1]
-    requests = [(text_ids[i:] + text_ids[:i])[:prompt_length] for i in range(8)]
-    run = run_engine(engines_dir, "spread", {
-        "dtype": "float32", "trikv": {**_trikv_settings(), "budget": budget, "divide_length": SLACK, "max_rounds_per_step": limit},
-        "engine": {"max_model_len": 320, "max_num_seqs": 8},
-        "batches": [{"prompts": requests, "max_tokens": 200}],
-    })
+    budget, limit = SPREAD_BUDGET, SPREAD_LIMIT
+    run = engine_run(engine_runs, "spread")
     rounds = run["rounds"][0]
     assert all(len(r["tokens"]) == 200 for r in run["batches"][0]["requests"])
     by_position: dict[int, int] = {}
@@ -385,24 +467,31 @@ def test_rounds_due_together_are_spread_over_steps(engines_dir, prompts):
     assert len(set(firsts.values())) >= 4  # the first rounds, all due at one step, started over four steps
 
 
-def test_chunked_prefill_preemption_and_abort_keep_working(real_model, engines_dir, prompts):
+STRESS_POOL, STRESS_NEW_TOKENS = 10, 120
+
+
+@scenario("stress")
+def _stress(request, prompts):
+    text_ids = prompts[2] + prompts[1] + prompts[0]
+    requests = [(text_ids[i * 7 :] + text_ids[: i * 7])[: 20 if i < 6 else 150] for i in range(8)]
+    return {"dtype": "float32", "trikv": _trikv_settings(),
+            "engine": {"num_gpu_blocks_override": STRESS_POOL, "max_model_len": 288, "max_num_seqs": 8,
+                       "enable_chunked_prefill": True, "max_num_batched_tokens": 64},
+            # the second batch's step tells the workers which requests of the first one ended
+            "batches": [{"prompts": requests, "max_tokens": STRESS_NEW_TOKENS, "abort": {"after_steps": 30, "requests": [1, 4]}},
+                        {"prompts": [requests[0][:5]], "max_tokens": 2}]}
+
+
+@pytest.mark.engines("stress")
+def test_chunked_prefill_preemption_and_abort_keep_working(real_model, engine_runs):
     """Six short prompts that outgrow a small pool as they decode (vLLM preempts and recomputes), two prompts longer
     than budget + slack prefilled in chunks of 64 tokens, and two requests aborted mid-generation: every other
     request ends with all its tokens; a chunked prefill never preempted keeps what the transformers path keeps and
     emits its tokens; a request resumed after a round is compacted afresh from its recomputed entries; every block
     is back in the pool at the end."""
     model, _ = real_model
-    text_ids = prompts[2] + prompts[1] + prompts[0]
-    requests = [(text_ids[i * 7 :] + text_ids[: i * 7])[: 20 if i < 6 else 150] for i in range(8)]
-    pool, new_tokens, aborted = 10, 120, [1, 4]
-    run = run_engine(engines_dir, "stress", {
-        "dtype": "float32", "trikv": _trikv_settings(),
-        "engine": {"num_gpu_blocks_override": pool, "max_model_len": 288, "max_num_seqs": 8,
-                   "enable_chunked_prefill": True, "max_num_batched_tokens": 64},
-        # the second batch's step tells the workers which requests of the first one ended
-        "batches": [{"prompts": requests, "max_tokens": new_tokens, "abort": {"after_steps": 30, "requests": aborted}},
-                    {"prompts": [requests[0][:5]], "max_tokens": 2}],
-    })
+    pool, new_tokens = STRESS_POOL, STRESS_NEW_TOKENS
+    run = engine_run(engine_runs, "stress")
     assert run["stats"][0]["preemptions"] > 0, "the pool was large enough: nothing was preempted"
     # no per-request state outlives its request (finished, aborted or preempted): a long-running server stays bounded
     assert run["stats"][0]["compacted_running"] == [] and run["stats"][0]["compacted_requests"] >= 6
@@ -432,24 +521,32 @@ def test_chunked_prefill_preemption_and_abort_keep_working(real_model, engines_d
     assert replayed, "no chunked prefill was replayed"
 
 
-def test_preempted_request_recomputes_within_its_bound_without_holding_others(engines_dir, prompts):
+PREEMPTION_BUDGET, PREEMPTION_CHUNK, PREEMPTION_POOL = 32, 32, 11  # 10 usable blocks = max_model_len 320
+PREEMPTION_NEW_TOKENS = [200, 60, 70, 80, 90, 100, 30, 30]
+
+
+@scenario("preemption")
+def _preemption(request, prompts):
+    text_ids = prompts[2] + prompts[1] + prompts[0]
+    requests = [(text_ids[i * 13 :] + text_ids[: i * 13])[:20] for i in range(8)]
+    return {"dtype": "float32", "trikv": {**_trikv_settings(), "budget": PREEMPTION_BUDGET, "divide_length": SLACK},
+            "engine": {"num_gpu_blocks_override": PREEMPTION_POOL, "max_model_len": 320, "max_num_seqs": 8,
+                       "enable_chunked_prefill": True, "max_num_batched_tokens": PREEMPTION_CHUNK, "scheduling_policy": "priority"},
+            "batches": [{"prompts": requests, "max_tokens": PREEMPTION_NEW_TOKENS, "arrivals": [0] + [110] * 5 + [140] * 2,
+                         "priorities": [1] + [0] * 5 + [2] * 2, "max_steps": 2000},
+                        {"prompts": requests[:1], "max_tokens": PREEMPTION_NEW_TOKENS[:1]}]}  # A alone: never preempted
+
+
+@pytest.mark.engines("preemption")
+def test_preempted_request_recomputes_within_its_bound_without_holding_others(engine_runs):
     """Request A (low priority) decodes alone; five requests arrive at step 110 and outgrow the 10-block pool, so
     vLLM preempts A at > 4x its budget; two more (lower priority than A) arrive at step 140. A's recompute is a
     chunked prefill compacted between chunks: it never holds more than budget + slack + one chunk entries, it is
     readmitted while the others still run (not once its whole history fits), everything completes and every block
     returns. Its tokens equal an unpreempted run's until the others arrive; the agreement after is reported."""
-    budget, chunk, pool = 32, 32, 11  # 10 usable blocks = max_model_len 320
-    text_ids = prompts[2] + prompts[1] + prompts[0]
-    requests = [(text_ids[i * 13 :] + text_ids[: i * 13])[:20] for i in range(8)]
-    new_tokens = [200, 60, 70, 80, 90, 100, 30, 30]
-    run = run_engine(engines_dir, "preemption", {
-        "dtype": "float32", "trikv": {**_trikv_settings(), "budget": budget, "divide_length": SLACK},
-        "engine": {"num_gpu_blocks_override": pool, "max_model_len": 320, "max_num_seqs": 8, "enable_chunked_prefill": True,
-                   "max_num_batched_tokens": chunk, "scheduling_policy": "priority"},
-        "batches": [{"prompts": requests, "max_tokens": new_tokens, "arrivals": [0] + [110] * 5 + [140] * 2,
-                     "priorities": [1] + [0] * 5 + [2] * 2, "max_steps": 2000},
-                    {"prompts": requests[:1], "max_tokens": new_tokens[:1]}],  # A alone: never preempted
-    })
+    budget, chunk, pool, new_tokens = PREEMPTION_BUDGET, PREEMPTION_CHUNK, PREEMPTION_POOL, PREEMPTION_NEW_TOKENS
+    run = engine_run(engine_runs, "preemption")
+    requests = run["spec"]["batches"][0]["prompts"]
     assert run["stats"][0]["preemptions"] >= 1
     first, alone = run["batches"][0]["requests"], run["batches"][1]["requests"][0]
     assert [len(r["tokens"]) for r in first] == new_tokens
@@ -515,15 +612,16 @@ def test_page_codec_reads_and_writes_vllm_cpu_pages(dtype):
     assert torch.equal(cache, by_vllm)
 
 
+@pytest.mark.engines("fp32")
 def test_tensor_parallel_3_equals_tp_1(engines_dir, prompts, fp32_run):
     """TP=3 on SmolLM2 (3 KV heads: one per rank, scored with the statistics of its 3 query heads): the same
-    tokens as TP=1 (the first 130 of the fp32 run) and, on every rank, the same kept set as TP=1's head."""
-    new_tokens = 130
-    run = run_engine(engines_dir, "tp3", {
+    tokens as TP=1 (the first 100 of the fp32 run) and, on every rank, the same kept set as TP=1's head."""
+    new_tokens = 100
+    run = engine_run(run_engines(engines_dir, {"tp3": {
         "dtype": "float32", "trikv": _trikv_settings(),
         "engine": {"tensor_parallel_size": 3}, "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1|1"}, "in_process": False,
         "batches": [{"prompts": prompts[1:], "max_tokens": new_tokens}],
-    })
+    }}), "tp3")
     single_requests = fp32_run["batches"][0]["requests"][1:]
     assert [r["tokens"] for r in run["batches"][0]["requests"]] == [r["tokens"][:new_tokens] for r in single_requests]
     assert len(run["rounds"]) == 3
@@ -612,8 +710,8 @@ def test_http_server_streams_a_chat_completion_with_the_bounded_cache(tmp_path):
         # closed by the client mid-stream; afterwards GET /trikv/stats shows no per-request state left, every other
         # request got all its tokens and the server still answers (the 2,000-request run is a benchmark)
         out = tmp_path / "soak"
-        done = subprocess.run([sys.executable, "-m", "trikv.cli", "bench", "soak", "--requests", "30", "--concurrency", "6",
-                               "--abort-share", "0.3", "--sample-every", "10", "--max-tokens", "100",
+        done = subprocess.run([sys.executable, "-m", "trikv.cli", "bench", "soak", "--requests", "20", "--concurrency", "6",
+                               "--abort-share", "0.3", "--sample-every", "5", "--max-tokens", "80",
                                "--url", f"http://127.0.0.1:{port}", "--server-pid", str(server.pid), "--out", str(out),
                                "--no-progress"], capture_output=True, text=True, timeout=900)
         assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
@@ -738,26 +836,32 @@ def test_prefix_caching_and_other_features_are_refused():
         check_engine_config(_engine_config(**{**args, "kv_cache_dtype": "fp8"}), settings)
 
 
-def test_stats_of_another_model_are_refused(tmp_path):
-    """Statistics calibrated on another model (here a tiny random Llama) stop the engine at start-up."""
+def _tiny_llama_stats(folder: Path) -> Path:
     from helpers import tiny_model
 
     from trikv.calibration import calibrate
+
+    path = folder / "tiny.safetensors"
+    if not path.exists():
+        calibrate(tiny_model("llama"), torch.randint(1, 90, (64,)), source="random", progress=False).save(path)
+    return path
+
+
+@scenario("stats-of-another-model")
+def _stats_of_another_model(request, prompts):
+    stats_path = _tiny_llama_stats(request.getfixturevalue("engines_dir"))
+    return {"dtype": "float32", "trikv": {"method": "triattention", "budget": 64, "stats": str(stats_path)}, "batches": []}
+
+
+@pytest.mark.engines("stats-of-another-model")
+def test_stats_of_another_model_are_refused(engines_dir, engine_runs):
+    """Statistics calibrated on another model (here a tiny random Llama) stop the engine at start-up."""
     from trikv.vllm import engine_args
 
-    model = tiny_model("llama")
-    stats_path = tmp_path / "tiny.safetensors"
-    calibrate(model, torch.randint(1, 90, (64,)), source="random", progress=False).save(stats_path)
     with pytest.raises(ValueError, match="do not match the model: num_layers is 3 in the stats"):
-        engine_args(method="triattention", stats=str(stats_path), model="smollm2-135m")
+        engine_args(method="triattention", stats=str(_tiny_llama_stats(engines_dir)), model="smollm2-135m")
     # the same file given to vLLM directly: the engine refuses to start and says why
-    spec = {"dtype": "float32", "trikv": {"method": "triattention", "budget": 64, "stats": str(stats_path)}, "batches": []}
-    spec_path = tmp_path / "bad.json"
-    spec_path.write_text(json.dumps({"model": "smollm2-135m", **spec}))
-    done = subprocess.run([sys.executable, str(HERE / "vllm_scenario.py"), str(spec_path), str(tmp_path / "bad.result.json")],
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode != 0
-    assert "do not match the model: num_layers is 3 in the stats" in done.stdout + done.stderr
+    assert "do not match the model: num_layers is 3 in the stats" in engine_runs["stats-of-another-model"]["error"]
 
 
 def test_serving_benchmark_runs_offline_and_over_http_and_renders_its_page(tmp_path):
@@ -765,7 +869,7 @@ def test_serving_benchmark_runs_offline_and_over_http_and_renders_its_page(tmp_p
     max-batch mode (each engine climbs the slot ladder 2, 4 and is compared at its own best, beside a short-context
     floor run), the bounded cache over HTTP, then `trikv bench serve-report`."""
     small = ["--length", "192", "--pool-requests", "3", "--budgets", "64", "--divide-length", "32",
-             "--window", "4", "--warmup-max", "15", "--settle", "2"]
+             "--window", "3", "--warmup-max", "6", "--settle", "1"]
     for extra in (["--methods", "full,triattention", "--modes", "offline", "--in-process", "--concurrency", "2,4", "--max-batch",
                    "--floor-length", "96", "--out", str(tmp_path / "offline")],
                   ["--methods", "triattention", "--modes", "http", "--concurrency", "4", "--out", str(tmp_path / "http")]):

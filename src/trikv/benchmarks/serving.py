@@ -49,8 +49,8 @@ def add_arguments(parser) -> None:
                         help="full attention: seconds between the pool first filling and the window (default 30)")
     parser.add_argument("--modes", default="offline", help="comma-separated: offline (vllm.LLM) and/or http (`trikv serve`)")
     parser.add_argument("--in-process", action="store_true",
-                        help="offline runs: vLLM's engine core and worker inside the measuring process (starts in seconds; "
-                             "the default runs them in their own processes, as vLLM is deployed)")
+                        help="offline runs: vLLM's engine core and worker inside this process, one run after another "
+                             "(starts in seconds; the default runs each in its own processes, as vLLM is deployed)")
     parser.add_argument("--max-batch", action="store_true",
                         help="the paper's protocol: every engine climbs the --concurrency ladder (e.g. 8,16,32,64,128) until its "
                              "output tokens/s gains less than --min-gain or its pool preempts, and is compared at its own best; "
@@ -102,6 +102,12 @@ def run_one(spec: dict, out: Path, label: str) -> dict:
     spec_path, result_path = out / f"{label}.spec.json", out / f"{label}.json"
     spec_path.write_text(json.dumps(spec, indent=2))
     log_path = out / f"{label}.log"
+    if spec["in_process"]:  # engine core and worker in this interpreter, one run after another (vLLM imported once)
+        from .serving_engine import run
+
+        result = run(spec)
+        result_path.write_text(json.dumps(result, indent=2))
+        return result
     with open(log_path, "w") as log:
         done = subprocess.run([sys.executable, "-m", "trikv.benchmarks.serving_engine", str(spec_path), str(result_path)],
                               stdout=log, stderr=subprocess.STDOUT)

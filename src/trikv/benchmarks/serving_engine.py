@@ -201,7 +201,22 @@ def run_offline(spec: dict) -> dict:
     if spec.get("trikv"):
         result["trikv"] = llm.collective_rpc("trikv_stats")[0]
     engine.abort_request(list(tracker.added))
+    _shut_down(llm, spec.get("in_process", False))
     return result
+
+
+def _shut_down(llm, in_process: bool) -> None:
+    """Free the engine (its KV pool and, in-process, its distributed state): the next run may be built in this
+    interpreter."""
+    import gc
+
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+    if in_process:
+        cleanup_dist_env_and_memory()
 
 
 def _compacted(llm) -> set[str]:
@@ -283,6 +298,10 @@ def run_http(spec: dict) -> dict:
         tracker.window = (window_start, window_start + spec["window"])
         time.sleep(spec["window"])
         stop.set()
+        # every stream ends at its next token (the server still generates), closing its connection: a server
+        # stopped with streams open waits for them to close, and they wait for tokens it no longer makes
+        for thread in threads:
+            thread.join(timeout=30)
         with lock:
             result = tracker.summary()
         result.update({"startup_seconds": startup, "warmup_seconds": window_start - warm_start, "requests_started": counter[0]})
@@ -320,13 +339,19 @@ def stop_server(server) -> None:
         os.killpg(server.pid, signal.SIGKILL)
 
 
-def main(spec_path: str, result_path: str) -> None:
-    spec = json.loads(Path(spec_path).read_text())
+def run(spec: dict) -> dict:
+    """One run in this interpreter: offline in-process runs may follow each other here (each engine is shut down
+    before the next is built)."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     if spec.get("in_process"):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     result = run_http(spec) if spec.get("mode") == "http" else run_offline(spec)
-    Path(result_path).write_text(json.dumps({"spec": spec, **result}, indent=2))
+    return {"spec": spec, **result}
+
+
+def main(spec_path: str, result_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    Path(result_path).write_text(json.dumps(run(spec), indent=2))
 
 
 if __name__ == "__main__":
