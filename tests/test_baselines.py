@@ -447,6 +447,22 @@ def test_rkv_drops_the_oldest_of_identical_keys():
     torch.testing.assert_close(rkv.importance(context), snap.importance(context))
 
 
+def test_rkv_importance_only_is_snapkv_decode():
+    """R-KV without its redundancy term (λ = 1) is SnapKV's decode-time port (w = 8, kernel 7, max pooling): over a
+    generation with rounds both keep the same entries and emit the same tokens; R-KV with its redundancy term does
+    not keep that set (so the comparison can tell rules apart)."""
+    model = tiny_model("qwen2", seed=3)
+    prompt = torch.randint(1, 96, (20,), generator=torch.Generator().manual_seed(5)).tolist()
+    runs = {method: trikv.generate(model, _ByteTokenizer(), [prompt], method=method, budget=32, divide_length=8,
+                                   max_new_tokens=60, min_new_tokens=60)
+            for method in ("rkv-importance-only", "snapkv-decode", "rkv")}
+    kept = {method: run.cache.visible_positions() for method, run in runs.items()}
+    assert runs["snapkv-decode"].cache.rounds >= 5
+    assert torch.equal(kept["rkv-importance-only"], kept["snapkv-decode"])
+    assert runs["rkv-importance-only"].tokens == runs["snapkv-decode"].tokens
+    assert not torch.equal(kept["rkv"], kept["snapkv-decode"])
+
+
 def test_mean_similarity_exempts_the_newest_copy_of_each_row():
     keys = _one_hot_keys(10, d=16)  # orthogonal keys: similarity 0 ...
     copy = torch.zeros(16)
