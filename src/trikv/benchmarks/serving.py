@@ -101,13 +101,13 @@ def _label(config: dict) -> str:
 def run_one(spec: dict, out: Path, label: str) -> dict:
     spec_path, result_path = out / f"{label}.spec.json", out / f"{label}.json"
     spec_path.write_text(json.dumps(spec, indent=2))
-    log_path = out / f"{label}.log"
     if spec["in_process"]:  # engine core and worker in this interpreter, one run after another (vLLM imported once)
         from .serving_engine import run
 
         result = run(spec)
         result_path.write_text(json.dumps(result, indent=2))
         return result
+    log_path = out / f"{label}.log"
     with open(log_path, "w") as log:
         done = subprocess.run([sys.executable, "-m", "trikv.benchmarks.serving_engine", str(spec_path), str(result_path)],
                               stdout=log, stderr=subprocess.STDOUT)
