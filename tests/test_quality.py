@@ -1050,7 +1050,8 @@ def test_consecutive_problem_ids_are_written_as_ranges():
 
 def test_problems_chosen_by_id_extend_a_run_in_chunks(tokenizer, tmp_path):
     """A run split into chunks: a later list of ids that starts with the folder's list reuses its answers and
-    answers only the new problems; a list that does not start with it is refused."""
+    answers only the new problems; a list the folder's list starts with reuses its answers; any other list is
+    refused."""
     from trikv.benchmarks.quality.runner import config_from_preset, run_quality
 
     model = tiny_model(vocab_size=len(tokenizer))
@@ -1065,6 +1066,13 @@ def test_problems_chosen_by_id_extend_a_run_in_chunks(tokenizer, tmp_path):
     records = json.loads(unit.read_text())["records"]
     assert [r["id"] for r in records] == ["math500-3", "math500-7"] and records[0] == first[0]
     assert any("math problems by id 1 -> 2" in m for m in messages) and any("(1 of 2 problems answered now" in m for m in messages)
+    # a list the folder's starts with: the same run at a smaller extent (another method's chunks may follow it)
+    messages.clear()
+    record = run_quality(config_from_preset("quick", math_problems=["math500-3"], **setup), tmp_path, model=model,
+                         tokenizer=tokenizer, progress=False, log=messages.append)
+    assert any("math problems by id 2 -> 1" in m for m in messages) and not any("answered now" in m for m in messages)
+    assert json.loads(unit.read_text())["records"] == records
+    assert record["results"]["math"]["math500"]["streaming"]["32"]["problems"] == 1
     with pytest.raises(ValueError, match="differs in math_problems"):
         run_quality(config_from_preset("quick", math_problems=["math500-9"], **setup), tmp_path, model=model,
                     tokenizer=tokenizer, progress=False, log=lambda *a: None)

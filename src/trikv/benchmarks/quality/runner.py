@@ -292,10 +292,12 @@ class QualityRun:
             previous_cap = previous.get("config", {}).get("math_max_new_tokens", self.config.math_max_new_tokens)
             raised_cap = self.config.math_temperature == 0 and previous_cap < self.config.math_max_new_tokens
             # problems chosen by id extend a folder's run when the earlier list is where the new one starts (a run
-            # split into chunks): the earlier answers are the new run's first ones
+            # split into chunks): the earlier answers are the new run's first ones; a list the earlier one starts
+            # with is the same run at a smaller extent, like a smaller --limit
             previous_ids = previous.get("config", {}).get("math_problems", self.config.math_problems)
             ids = self.config.math_problems
-            extends = previous_ids is not None and ids is not None and list(ids[: len(previous_ids)]) == list(previous_ids)
+            extends = (previous_ids is not None and ids is not None
+                       and (list(ids[: len(previous_ids)]) == list(previous_ids) or list(previous_ids[: len(ids)]) == list(ids)))
             same_extent = dataclasses.replace(self.config, math_limit=previous_limit,
                                               math_problems=previous_ids if extends else ids,
                                               math_max_new_tokens=previous_cap if raised_cap else self.config.math_max_new_tokens)
