@@ -51,6 +51,7 @@ def main(pairs: list[tuple[str, str]]) -> None:
 
 def run(spec: dict) -> dict:
     import trikv.vllm
+    from trikv.benchmarks.serving_engine import shut_down
     from trikv.models import resolve_model_path
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -80,19 +81,8 @@ def run(spec: dict) -> dict:
     if extra:
         result["rounds"] = llm.collective_rpc("trikv_rounds")  # one list per rank
         result["stats"] = llm.collective_rpc("trikv_stats")
-    _shut_down(llm, in_process)
+    shut_down(llm, in_process)  # the next engine may be built in this interpreter
     return result
-
-
-def _shut_down(llm, in_process: bool) -> None:
-    """Free the engine (its KV pool and, in-process, its distributed state) before the next one is built."""
-    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
-    llm.llm_engine.engine_core.shutdown()
-    del llm
-    gc.collect()
-    if in_process:
-        cleanup_dist_env_and_memory()
 
 
 def _step_by_hand(llm, batch: dict, params: list, TokensPrompt) -> list[dict]:

@@ -201,11 +201,11 @@ def run_offline(spec: dict) -> dict:
     if spec.get("trikv"):
         result["trikv"] = llm.collective_rpc("trikv_stats")[0]
     engine.abort_request(list(tracker.added))
-    _shut_down(llm, spec.get("in_process", False))
+    shut_down(llm, spec.get("in_process", False))
     return result
 
 
-def _shut_down(llm, in_process: bool) -> None:
+def shut_down(llm, in_process: bool) -> None:
     """Free the engine (its KV pool and, in-process, its distributed state): the next run may be built in this
     interpreter."""
     import gc
