@@ -200,6 +200,24 @@ def test_opposite_data_give_opposite_sentences():
     assert "TriAttention ties `rkv`" in tied[0]
 
 
+def test_fidelity_page_counts_the_protected_prompts_per_budget():
+    from trikv.benchmarks.quality.report import sections
+
+    record = _record(0.0)
+    record["config"].update(budgets=[128, 256], min_decode_room=32)
+    # 96 + 32 <= 128 fits; 97 does not; at 256 all but 250 fit
+    record["results"]["fidelity"]["meta"].update(prompt_lengths=[40, 96, 97, 250], traces="evaluation", trace_tokens=64,
+                                                 texts=["a", "b", "c", "d"])
+    for values in record["results"]["fidelity"]["methods"].values():
+        values.setdefault("256", values.get("128"))
+    page = dict(sections(record, markdown=True))
+    (table,) = [text for title, text in page.items() if "prompt was protected" in title]
+    assert "| 128 | 80 / 100 (80%) | 2 / 4 |" in table and "| 256 | 80 / 100 (80%) | 3 / 4 |" in table, table
+    record["config"]["protect_prompt"] = False
+    (table,) = [text for title, text in dict(sections(record, markdown=True)).items() if "prompt was protected" in title]
+    assert "| 128 | 80 / 100 (80%) | 0 / 4 |" in table, table
+
+
 def test_preregistered_outcome_is_computed_from_the_run():
     from trikv.benchmarks.quality.report import preregistration_lines
 

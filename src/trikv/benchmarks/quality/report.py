@@ -10,6 +10,9 @@ import json
 import math
 from pathlib import Path
 
+import torch
+
+from ...selection import prompt_fits
 from ..report_pages import embed_plot
 
 
@@ -127,8 +130,10 @@ def _fidelity_sections(record: dict, markdown: bool) -> list[tuple[str, str]]:
                     "positions after each text's first compression round)", render(headers, rows, markdown)))
     share = _compressed_share(record, table)
     if share:
-        out.append(("Fidelity: share of the scored positions that come after the first compression round",
-                    render(["budget", "compressed positions / all"], share, markdown)))
+        room = record.get("config", {}).get("min_decode_room", 32)
+        out.append(("Fidelity: share of the scored positions that come after the first compression round, and the "
+                    f"texts whose prompt was protected (prompt + {room} slots <= budget, the same for every method)",
+                    render(["budget", "compressed positions / all", "prompt protected"], share, markdown)))
     for title, key, digits in FIDELITY_FIGURES[:2]:
         headers, rows = _grid(record, table, lambda c, k=key, d=digits: _difference(
             c.get("vs_triattention", {}).get("compressed", {}).get(k), d),
@@ -145,12 +150,21 @@ def _fidelity_sections(record: dict, markdown: bool) -> list[tuple[str, str]]:
 
 
 def _compressed_share(record: dict, table: dict) -> list[list]:
+    """Per budget: the scored positions after the first round, and the texts whose prompt was protected (one
+    rule for every method, so one figure per budget)."""
+    prompts = record["results"]["fidelity"]["meta"].get("prompt_lengths") or []
+    config = record.get("config", {})
     rows = []
     for budget in _budgets(record):
         cell = next((_cell(table, m, budget) for m in _methods(record) if m != "full" and _cell(table, m, budget)), None)
         if cell and cell.get("positions"):
+            protected = "–"
+            if prompts and budget.isdigit():
+                fits = prompt_fits(torch.tensor(prompts), int(budget), config.get("min_decode_room", 32))
+                count = int(fits.sum()) if config.get("protect_prompt", True) else 0
+                protected = f"{count} / {len(prompts)}"
             rows.append([budget, f"{cell['compressed']['positions']} / {cell['positions']} "
-                                 f"({100 * cell['compressed']['positions'] / cell['positions']:.0f}%)"])
+                                 f"({100 * cell['compressed']['positions'] / cell['positions']:.0f}%)", protected])
     return rows
 
 
