@@ -579,7 +579,7 @@ def test_dfs_graph_sizes_from_the_command_line():
             config_from_args(parser.parse_args(["--dfs-nodes", bad]))
 
 
-def test_fidelity_on_the_users_own_text_files(tmp_path, tokenizer):
+def test_fidelity_on_the_users_own_text_files(tmp_path, tokenizer, caplog):
     """`--text-file`: the file's text is what the fidelity task feeds (named after the file), its content is part
     of the run's fingerprint, and a missing, empty, non-UTF-8 or too short file is refused by name."""
     from trikv.benchmarks.quality.cli import config_from_args
@@ -591,15 +591,20 @@ def test_fidelity_on_the_users_own_text_files(tmp_path, tokenizer):
     story = tmp_path / "story.txt"
     story.write_text(" ".join(f"line {i}: the cat sat on mat number {i * 7 % 13}." for i in range(60)))
     args = build_parser().parse_args(["bench", "quality", "--task", "fidelity", "--text-file", str(story),
-                                      "--methods", "full,streaming", "--budgets", "40", "--text-tokens", "160"])
+                                      "--methods", "full,triattention", "--budgets", "40", "--text-tokens", "320"])
     config = config_from_args(args)
     assert config.texts == [] and config.text_files == [str(story)]
-    quiet = dict(model=model, tokenizer=tokenizer, stats=stats, progress=False, log=lambda *a: None)
+    lines = []
+    quiet = dict(model=model, tokenizer=tokenizer, stats=stats, progress=False, log=lines.append)
     record = run_quality(config, tmp_path / "run", **quiet)
     meta = record["results"]["fidelity"]["meta"]
     assert meta["texts"] == ["story"]
-    # the reference perplexity is that of the file's first 160 tokens under the model (computed here directly)
-    ids = torch.tensor([tokenizer(story.read_text(), add_special_tokens=False)["input_ids"][:160]])
+    # the 32-token prompt leaves fewer than 32 of 40 slots: said once for the run, not once per text's cache
+    assert any("B=40: prompt protected in 0 of 1 texts" in line for line in lines), lines
+    assert "competes for the budget" not in caplog.text
+    quiet["log"] = lambda *a: None
+    # the reference perplexity is that of the file's first 320 tokens under the model (computed here directly)
+    ids = torch.tensor([tokenizer(story.read_text(), add_special_tokens=False)["input_ids"][:320]])
     with torch.no_grad():
         logits = model(ids).logits[0, config.prompt_tokens : -1].float()  # decoded positions predict the next token
     nll = torch.nn.functional.cross_entropy(logits, ids[0, config.prompt_tokens + 1 :])

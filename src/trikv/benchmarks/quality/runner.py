@@ -11,9 +11,11 @@ one PNG per task and prints the tables.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
+import logging
 import platform
 import sys
 import time
@@ -22,8 +24,22 @@ from pathlib import Path
 
 import torch
 
+from ...selection import prompt_fits
+
 TASKS = ("fidelity", "dfs", "needle", "math")
 FORMAT = "trikv-bench-quality/1"
+
+
+@contextlib.contextmanager
+def _quiet(logger_name: str):
+    """Warnings of `logger_name` held back (the caller has said it once for the whole run)."""
+    logger = logging.getLogger(logger_name)
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 @dataclass
@@ -502,11 +518,16 @@ class QualityRun:
             bar.close()
             self.units.put("fidelity", "full", None, suite.full_fidelity())
             self.units.put("recall", "full", None, {"recall": 1.0, "recall_min_head": 1.0, "by_horizon": {}})
+        for budget in sorted({budget for _, budget in todo}):
+            fits = prompt_fits(torch.tensor(prompts), budget, c.min_decode_room) & c.protect_prompt
+            self.log(f"  B={budget}: prompt protected in {int(fits.sum())} of {len(prompts)} texts "
+                     f"(prompt + {c.min_decode_room} <= budget; the others' prompts compete for the budget)")
         for method, budget in todo:
             bar = self._bar(suite.tokens, f"fidelity {method} B={budget}")
             torch.manual_seed(c.seed)
-            metrics, log = self._timed(f"fidelity/{method}/{budget}",
-                                       lambda: suite.run_method(lambda: self.make_cache(method, budget), progress=bar.update))
+            with _quiet("trikv.cache"):  # each text's cache would repeat the protection line above
+                metrics, log = self._timed(f"fidelity/{method}/{budget}",
+                                           lambda: suite.run_method(lambda: self.make_cache(method, budget), progress=bar.update))
             bar.close()
             metrics["seconds"] = self.unit_seconds[f"fidelity/{method}/{budget}"]
             metrics["round_times"] = [list(batch["round_times"]) for batch in log["batches"]]
