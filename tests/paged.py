@@ -17,13 +17,38 @@ def layer_views(order: tuple[int, ...], layers: int, blocks: int, heads: int, bl
 write = reference_write
 
 
-def write_transposed(keys: torch.Tensor, values: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
-    """A KV write that stores each page's keys transposed ([D, N] per head, as vLLM's CPU backend does for fp32):
-    a (head, slot)'s key elements are not consecutive in memory."""
+def _write_head_pages(keys_region, keys: torch.Tensor, values: torch.Tensor, cache: torch.Tensor,
+                      slots: torch.Tensor) -> None:
+    """vLLM's CPU backend views a block's [H, N, 2D] page as [H, 2N, D]: per head, its first N x D elements (in
+    the page's logical order) hold the keys, the next N x D the values as [N, D]. `keys_region(region, offset,
+    key)` stores one token's [D] key into a head's [N x D] key elements."""
     block_size, dim = cache.shape[2], keys.shape[-1]
     for i, slot in enumerate(slots.tolist()):
         block, offset = divmod(slot, block_size)
-        page = cache[block, :, :, :dim].reshape(cache.shape[1], dim, block_size)  # keys: [H, D, N] in the page
-        page[:, :, offset] = keys[i]
-        cache[block, :, :, :dim] = page.reshape(cache.shape[1], block_size, dim)
-        cache[block, :, offset, dim:] = values[i]
+        for head in range(cache.shape[1]):
+            page = cache[block, head].reshape(-1).clone()  # [N x 2D] in logical order
+            keys_region(page[: block_size * dim], offset, keys[i, head])
+            page[block_size * dim :].view(block_size, dim)[offset] = values[i, head]
+            cache[block, head] = page.view(block_size, 2 * dim)
+
+
+def write_transposed(keys: torch.Tensor, values: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
+    """A KV write that stores each page's keys transposed ([D, N] per head, as vLLM's CPU backend does for fp32):
+    a (head, slot)'s key elements are not consecutive in memory, a (head, dimension)'s slots are."""
+    block_size, dim = cache.shape[2], keys.shape[-1]
+
+    def store(region, offset, key):
+        region.view(dim, block_size)[:, offset] = key
+
+    _write_head_pages(store, keys, values, cache, slots)
+
+
+def write_tiled(keys: torch.Tensor, values: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
+    """A KV write that tiles each page's keys in pairs of dimensions ([D / 2, N, 2] per head, as vLLM's CPU backend
+    stores bf16 keys for AMX): neither a (head, slot)'s dimensions nor a (head, dimension)'s slots are consecutive."""
+    block_size, dim = cache.shape[2], keys.shape[-1]
+
+    def store(region, offset, key):
+        region.view(dim // 2, block_size, 2)[:, offset, :] = key.view(dim // 2, 2)
+
+    _write_head_pages(store, keys, values, cache, slots)

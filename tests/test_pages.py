@@ -8,7 +8,7 @@ import torch
 
 from trikv.vllm.pages import PageCodec
 
-from paged import LAYOUTS, write, write_transposed
+from paged import LAYOUTS, write, write_tiled, write_transposed
 from paged import layer_views as paged_layer_views
 
 LAYERS, BLOCKS, HEADS, BLOCK, DIM = 3, 7, 2, 16, 8
@@ -19,12 +19,13 @@ def layer_views(order: tuple[int, ...], dtype=torch.float32):
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-@pytest.mark.parametrize("pages", ["rows", "transposed keys"])
+@pytest.mark.parametrize("pages", ["rows", "transposed keys", "tiled keys"])
 def test_every_layout_is_read_and_compacted_bitwise(layout, pages):
     """A request's tokens written through the reference into out-of-order blocks of layer 1 are gathered exactly;
     moving a kept subset to the front leaves exactly those (position, key, value) in slots 0.. and every other
-    layer's bytes untouched; addressed by rows of D elements where a page stores them so, else per element."""
-    kv_write = {"rows": write, "transposed keys": write_transposed}[pages]
+    layer's bytes untouched; addressed by rows of a (head, slot)'s D elements where a page stores them so, by rows of
+    a block's N slots of one (head, dimension) where keys are transposed, per element where they are tiled."""
+    kv_write = {"rows": write, "transposed keys": write_transposed, "tiled keys": write_tiled}[pages]
     views = layer_views(LAYOUTS[layout])
     torch.manual_seed(0)
     for view in views:  # other layers hold their own data: none of it may change
@@ -32,7 +33,9 @@ def test_every_layout_is_read_and_compacted_bitwise(layout, pages):
     cache = views[1]
     assert layout == "LBHNC" or not cache.is_contiguous()  # the non-contiguous views that used to be refused
     codec = PageCodec.learn(kv_write, cache, HEADS, BLOCK, DIM)
-    assert codec.locate(torch.tensor([[0]]), cache).row_width == (DIM if pages == "rows" else 1)
+    located = codec.locate(torch.tensor([[0]]), cache)
+    key_rows = {"rows": "dim", "transposed keys": "slot", "tiled keys": "element"}[pages]
+    assert (located.keys.along, located.values.along) == (key_rows, "dim")
     table = torch.tensor([[5, 1, 3]])
     length = 3 * BLOCK - 3
     keys, values = torch.randn(length, HEADS, DIM), torch.randn(length, HEADS, DIM)
@@ -50,6 +53,9 @@ def test_every_layout_is_read_and_compacted_bitwise(layout, pages):
         for slot, position in enumerate(kept[0, head].tolist()):  # the expected set, from the written tokens
             assert torch.equal(after_keys[0, head, slot], keys[position, head])
             assert torch.equal(after_values[0, head, slot], values[position, head])
+    # slots past the kept ones keep their bytes (the last page written back whole must not change them)
+    assert torch.equal(after_keys[0, :, 20:length], keys[20:].transpose(0, 1))
+    assert torch.equal(after_values[0, :, 20:length], values[20:].transpose(0, 1))
     for layer, before in zip((0, 2), others):
         assert torch.equal(views[layer], before)
 

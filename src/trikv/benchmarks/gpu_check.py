@@ -77,7 +77,7 @@ def check_page_codec(device: str, dtype: torch.dtype, heads: int = 8, head_dim: 
         expected_keys = keys.transpose(0, 1).gather(1, kept[0, :, :, None].expand(-1, -1, head_dim))
         expected_values = values.transpose(0, 1).gather(1, kept[0, :, :, None].expand(-1, -1, head_dim))
         moved_ok = torch.equal(after_keys[0, :, : length // 2], expected_keys) and torch.equal(after_values[0, :, : length // 2], expected_values)
-        results[name] = {"bitwise": bool(read_ok and moved_ok), "row_index": codec.locate(table, cache).row_width > 1}
+        results[name] = {"bitwise": bool(read_ok and moved_ok), "row_index": codec.locate(table, cache).keys.along == "dim"}
     return results
 
 

@@ -105,32 +105,28 @@ class Compactor:
         self.kept_positions.pop(request_id, None)
 
     def chunk_bytes(self, requests: int, layers: int, heads: int, slots: int, head_dim: int, element_size: int,
-                    row_index: bool) -> int:
+                    index_bytes: int) -> int:
         """Planned transient bytes of scoring and moving `requests` x `layers` with `slots` slots per (layer, KV
         head): per entry, the gathered key (cache dtype), position (int64), masks and score (~12 bytes), the
         kept order (int64) and the policy's own workspace (`round_bytes_per_entry`); per (request, head, slot),
-        shared by the layers, the key and value storage indices (int64 per row, or per element where rows are
-        not contiguous)."""
-        per_entry, per_slot = self._entry_bytes(slots, head_dim, element_size), self._index_bytes(head_dim, row_index)
-        return requests * heads * slots * (layers * per_entry + per_slot)
+        shared by the layers, `index_bytes` of key and value storage indices (`Located.index_bytes_per_slot`: one
+        int64 per row of consecutive elements)."""
+        per_entry = self._entry_bytes(slots, head_dim, element_size)
+        return requests * heads * slots * (layers * per_entry + index_bytes)
 
     def _entry_bytes(self, slots: int, head_dim: int, element_size: int) -> int:
         group = getattr(getattr(self.policy, "scorer", None), "group", 1)
         return head_dim * element_size + 8 + 12 + 8 + self.policy.round_bytes_per_entry(head_dim, group, slots)
 
-    @staticmethod
-    def _index_bytes(head_dim: int, row_index: bool) -> int:
-        return 2 * 8 * (1 if row_index else head_dim)
-
     def _plan(self, requests: int, layers: int, heads: int, slots: int, head_dim: int, element_size: int,
-              row_index: bool) -> tuple[int, int]:
+              index_bytes: int) -> tuple[int, int]:
         """(requests, layers) per chunk: all layers of as many requests as fit the cap, else one request a few
         layers at a time (all layers when the policy shares its selection across layers)."""
         cap = self.round_workspace_bytes
-        whole = self.chunk_bytes(1, layers, heads, slots, head_dim, element_size, row_index)
+        whole = self.chunk_bytes(1, layers, heads, slots, head_dim, element_size, index_bytes)
         if whole <= cap or not self.policy.scores_layers_independently:
             return max(1, min(requests, cap // whole)), layers
-        room = cap // (heads * slots) - self._index_bytes(head_dim, row_index)
+        room = cap // (heads * slots) - index_bytes
         return 1, max(1, min(layers, room // self._entry_bytes(slots, head_dim, element_size)))
 
     def _policy_for(self, layers: slice, total: int) -> Policy:
@@ -168,7 +164,8 @@ class Compactor:
         for (blocks, _), group in by_blocks.items():
             probe = codecs[0].locate(torch.zeros(1, 1, dtype=torch.long), kv_caches[0])
             per_request, per_layers = self._plan(len(group), len(kv_caches), codecs[0].num_heads, blocks * block_size,
-                                                 codecs[0].head_dim, kv_caches[0].element_size(), probe.row_width > 1)
+                                                 codecs[0].head_dim, kv_caches[0].element_size(),
+                                                 probe.index_bytes_per_slot)
             for first in range(0, len(group), per_request):
                 self._compact(group[first : first + per_request], blocks, per_layers, kv_caches, codecs, block_ids)
         self.rounds += len(rounds)

@@ -5,8 +5,10 @@ A layer's KV cache is a tensor whose first axis is the block; inside a block, th
 the CPU's instruction set (vLLM's CPU backend stores fp32 keys transposed per page, bf16 pages VNNI-tiled
 on AMX machines). `PageCodec` does not assume any of it: it learns the arrangement by writing coded
 tokens through the backend's own KV write (`impl.do_kv_cache_update`) into a one-block scratch copy and
-reading back where every code landed. It then gathers and scatters whole pages: one index per row of D elements where a (head, slot)'s
-elements are consecutive in memory, one per element otherwise.
+reading back where every code landed. It then gathers and scatters keys and values (each on its own) by rows of
+consecutive elements: one index per (head, slot) where its D elements are consecutive (every FlashAttention-style
+page, the CPU backend's values), one per (head, dimension, block) where a page stores that dimension of its N slots
+consecutively (the CPU backend's fp32 keys, transposed per page), one per element otherwise.
 
 The learnt offsets are logical (element order of one block of the layer's view). vLLM 0.32 views every layer's
 cache as [blocks, H, N, C] over one shared allocation in one of six `KVCacheLayout`s (LBNHC, LBHNC, BLNHC,
@@ -92,65 +94,107 @@ class PageCodec:
 
     def locate(self, block_table: torch.Tensor, kv_cache: torch.Tensor) -> "Located":
         """Where the keys and values of the blocks `block_table` [R, nb] lie in the cache's storage, the same for
-        every layer whose view has the shape and strides of `kv_cache`. Where a (head, slot)'s D elements are
-        consecutive in memory (every FlashAttention-style layout), one index per row of D elements: [R, Hkv, nb N]
-        rows of a [rows, D] view; otherwise (pages with keys transposed or tiled, as vLLM's CPU backend stores
-        them) one index per element: [R, Hkv, nb N, D]."""
-        R, nb = block_table.shape
-        H, N, D = self.key_offsets.shape
-        starts = (block_table.to(self.key_offsets.device) * kv_cache.stride(0)).view(R, nb, 1, 1, 1)
-        in_page = [_strided(offsets, kv_cache) for offsets in (self.key_offsets, self.value_offsets)]  # [H, N, D] each
-        first = torch.cat([offsets[..., 0].flatten() for offsets in in_page])
-        residue = int(first[0]) % D
-        contiguous = all(torch.equal(offsets, offsets[..., :1] + torch.arange(D, device=offsets.device)) for offsets in in_page)
-        if contiguous and kv_cache.stride(0) % D == 0 and bool((first % D == residue).all()):
-            return Located(*(  # row numbers in the [rows, D] view that starts `residue` elements into the storage
-                ((starts[..., 0] + offsets[None, None, ..., 0] - residue) // D).permute(0, 2, 1, 3).reshape(R, H, nb * N)
-                for offsets in in_page), row_width=D, residue=residue)
-        return Located(*(
-            (starts + offsets[None, None]).permute(0, 2, 1, 3, 4).reshape(R, H, nb * N, D) for offsets in in_page
-        ))
+        every layer whose view has the shape and strides of `kv_cache` (see `Rows` for the three ways)."""
+        starts = (block_table.to(self.key_offsets.device) * kv_cache.stride(0))[:, :, None, None]  # [R, nb, 1, 1]
+        return Located(*(_rows(_strided(offsets, kv_cache), starts, kv_cache.stride(0))
+                         for offsets in (self.key_offsets, self.value_offsets)))
 
     def gather(self, kv_cache: torch.Tensor, block_table: torch.Tensor, located=None, keys_only: bool = False):
         """Keys and values of `block_table` [R, nb] (block ids, row per request) -> two [R, Hkv, nb * N, D]
         (or the keys alone). `located`: `locate(...)` of these blocks, when the caller already has it."""
         located = located if located is not None else self.locate(block_table, kv_cache)
-        flat = located.view(kv_cache)
-        keys = flat[located.keys]
-        return keys if keys_only else (keys, flat[located.values])
+        keys = located.keys.gather(kv_cache)
+        return keys if keys_only else (keys, located.values.gather(kv_cache))
 
     def move(self, kv_cache: torch.Tensor, block_table: torch.Tensor, order: torch.Tensor, located=None) -> None:
         """In place: slot i of every request and KV head takes the key and value of slot order[r, h, i]
         (order [R, Hkv, n], within the request's blocks `block_table` [R, nb]); slots past n are untouched."""
         located = located if located is not None else self.locate(block_table, kv_cache)
-        flat = located.view(kv_cache)
-        n = order.shape[-1]
-        for index in (located.keys, located.values):
-            rows = order if located.row_width > 1 else order[..., None].expand(*order.shape, index.shape[-1])
-            flat[index[:, :, :n]] = flat[index.gather(2, rows)]  # the right side is read whole before the write
+        located.keys.move(kv_cache, order)
+        located.values.move(kv_cache, order)
+
+
+@dataclass
+class Rows:
+    """Storage indices of the keys (or values) of a set of blocks [R, nb], as rows of `width` consecutive elements
+    starting `residue` elements into the storage, along one of three axes:
+
+    - "dim": a row is one (head, slot)'s D elements; index [R, Hkv, nb N];
+    - "slot": a row is one block's N slots of one (head, dimension); index [R, Hkv, D, nb];
+    - "element": single elements (width 1); index [R, Hkv, nb N, D].
+    """
+
+    index: torch.Tensor
+    along: str
+    width: int
+    residue: int = 0
+
+    def view(self, kv_cache: torch.Tensor) -> torch.Tensor:
+        """The storage as the index addresses it: non-overlapping [rows, width] rows (flat elements at width 1)."""
+        flat = _storage(kv_cache)
+        if self.width == 1:
+            return flat
+        rows = (flat.numel() - self.residue) // self.width
+        return flat[self.residue :].as_strided((rows, self.width), (self.width, 1))
+
+    def gather(self, kv_cache: torch.Tensor) -> torch.Tensor:
+        """[R, Hkv, nb N, D] (a transposed view along "slot")."""
+        rows = self.view(kv_cache)[self.index]
+        return rows.flatten(-2).transpose(-1, -2) if self.along == "slot" else rows  # [R, H, D, nb, N] -> [R, H, nb N, D]
+
+    def move(self, kv_cache: torch.Tensor, order: torch.Tensor) -> None:
+        """In place: slot i of every (request, head) takes slot order[r, h, i] (order [R, Hkv, n])."""
+        view, n = self.view(kv_cache), order.shape[-1]
+        if self.along == "dim":
+            view[self.index[:, :, :n]] = view[self.index.gather(2, order)]  # the right side is read whole first
+        elif self.along == "element":
+            rows = order[..., None].expand(*order.shape, self.index.shape[-1])
+            view[self.index[:, :, :n]] = view[self.index.gather(2, rows)]
+        else:  # whole pages in, the slots rearranged in a dense copy, the first pages that changed written back
+            R, H, D, nb = self.index.shape
+            pages = view[self.index]  # [R, H, D, nb, N]
+            slots = pages.flatten(-2)  # [R, H, D, nb N]
+            slots[..., :n] = slots.gather(3, order[:, :, None, :].expand(R, H, D, n))
+            touched = -(-n // self.width)
+            view[self.index[..., :touched]] = slots.view(R, H, D, nb, self.width)[..., :touched, :]
+
+    @property
+    def index_bytes_per_slot(self) -> int:
+        """Bytes of index per (request, head, slot) of one part."""
+        per_row = self.index.element_size()
+        return {"dim": per_row, "element": per_row * self.index.shape[-1]}.get(
+            self.along, -(-per_row * self.index.shape[2] // max(1, self.width)))
 
 
 @dataclass
 class Located:
-    """Storage indices of a set of blocks' keys and values (see `PageCodec.locate`): rows of `row_width`
-    consecutive elements starting `residue` elements into the storage, or single elements (row_width 1)."""
+    """Storage indices of a set of blocks' keys and values (see `PageCodec.locate`)."""
 
-    keys: torch.Tensor
-    values: torch.Tensor
-    row_width: int = 1
-    residue: int = 0
-
-    def view(self, kv_cache: torch.Tensor) -> torch.Tensor:
-        """The storage as the indices address it: flat elements, or non-overlapping [rows, row_width] rows."""
-        flat = _storage(kv_cache)
-        if self.row_width == 1:
-            return flat
-        rows = (flat.numel() - self.residue) // self.row_width
-        return flat[self.residue :].as_strided((rows, self.row_width), (self.row_width, 1))
+    keys: Rows
+    values: Rows
 
     @property
-    def index_bytes(self) -> int:
-        return (self.keys.numel() + self.values.numel()) * self.keys.element_size()
+    def index_bytes_per_slot(self) -> int:
+        return self.keys.index_bytes_per_slot + self.values.index_bytes_per_slot
+
+
+def _rows(in_page: torch.Tensor, starts: torch.Tensor, block_stride: int) -> Rows:
+    """The widest rows that address one part: `in_page` [H, N, D] storage offsets from a block's first element,
+    `starts` [R, nb, 1, 1] the blocks' first elements."""
+    H, N, D = in_page.shape
+    R, nb = starts.shape[:2]
+    for along, width, firsts, steps in (("dim", D, in_page[..., :1], torch.arange(D)),
+                                        ("slot", N, in_page[:, :1, :], torch.arange(N)[:, None])):
+        residue = int(firsts.flatten()[0]) % width
+        if (torch.equal(in_page, firsts + steps.to(in_page.device)) and block_stride % width == 0
+                and bool((firsts % width == residue).all())):
+            if along == "dim":  # [R, nb, H, N] -> [R, H, nb N]
+                index = ((starts + firsts[None, None, ..., 0] - residue) // width).permute(0, 2, 1, 3).reshape(R, H, nb * N)
+            else:  # [R, nb, H, D] -> [R, H, D, nb]
+                index = ((starts + firsts[None, None, :, 0, :] - residue) // width).permute(0, 2, 3, 1)
+            return Rows(index, along, width, residue)
+    index = (starts[..., None] + in_page[None, None]).permute(0, 2, 1, 3, 4).reshape(R, H, nb * N, D)
+    return Rows(index, "element", 1)
 
 
 def _strided(offsets: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
