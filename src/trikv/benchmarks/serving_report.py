@@ -34,6 +34,18 @@ def target_rows(record: dict) -> list[tuple[str, str, bool | None]]:
     return rows
 
 
+def _latency_note(run: dict) -> str:
+    """TPOT p99 / p50, and the compaction rounds' count and mean time (since the engine started, warm-up
+    included), where the run has them."""
+    tpot = run["tpot_seconds"]
+    note = "" if not tpot.get("p99") else f"; TPOT p99 / p50 = {tpot['p99'] / tpot['p50']:.2f}"
+    rounds = (run.get("trikv") or {}).get("rounds") or 0
+    if rounds:
+        note += (f"; {rounds} compaction rounds since the engine started, "
+                 f"{run['trikv']['seconds'] / rounds * 1000:.1f} ms each on average")
+    return note
+
+
 def _bound_lines(record: dict) -> list[str]:
     """What bounds each run: KV entries read per decode step against what the window achieved."""
     lines = []
@@ -46,7 +58,8 @@ def _bound_lines(record: dict) -> list[str]:
                      f"a request advances every {tpot * 1000:.0f} ms (p50), so about "
                      f"{run['output_tokens_per_second'] * tpot:.1f} requests decode per step on average; "
                      f"peak KV {run.get('peak_kv_blocks', '?')} of {record['pool_blocks'] - 1} blocks, "
-                     f"{int(run.get('preemptions_in_window') or 0)} preemptions in the window")
+                     f"{int(run.get('preemptions_in_window') or 0)} preemptions in the window"
+                     + _latency_note(run))
     full = {(run["concurrency"], run["mode"]): run for run in record["runs"] if run["budget"] is None}
     for run in record["runs"]:
         reference = full.get((run["concurrency"], run["mode"]))
