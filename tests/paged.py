@@ -44,8 +44,9 @@ def write_transposed(keys: torch.Tensor, values: torch.Tensor, cache: torch.Tens
 
 
 def write_tiled(keys: torch.Tensor, values: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
-    """A KV write that tiles each page's keys in pairs of dimensions ([D / 2, N, 2] per head, as vLLM's CPU backend
-    stores bf16 keys for AMX): neither a (head, slot)'s dimensions nor a (head, dimension)'s slots are consecutive."""
+    """A KV write that tiles each page's keys in pairs of dimensions ([D / 2, N, 2] per head, a tiling like the one
+    vLLM's CPU backend uses for bf16 keys on AMX machines): neither a (head, slot)'s dimensions nor a (head,
+    dimension)'s slots are consecutive."""
     block_size, dim = cache.shape[2], keys.shape[-1]
 
     def store(region, offset, key):
