@@ -27,3 +27,46 @@ def test_bound_lines_of_full_attention_name_no_rounds():
     run = record(0.08, 0.09, 0, 0.0)
     (line,) = _bound_lines(run)
     assert "TPOT p99 / p50 = 1.12" in line and "compaction rounds" not in line
+
+
+def test_full_attention_capacity_is_where_the_pre_aged_prompts_fill_the_pool():
+    """8,192-token requests, a pool of 4 of them: the engine's own pre-aged prompts of 9 slots fit, of 10 do not."""
+    from trikv.benchmarks.serving import full_attention_capacity
+    from trikv.benchmarks.serving_engine import _prompts
+
+    class Tokenizer:
+        def __call__(self, text):
+            return {"input_ids": list(range(len(text)))}
+
+    pool = 4 * 8192
+    capacity = full_attention_capacity(8192, 32, pool)
+    sizes = {n: sum(map(len, _prompts({"length": 8192, "concurrency": n, "short_prompt": 32}, Tokenizer())))
+             for n in (capacity, capacity + 1)}
+    assert sizes[capacity] <= pool < sizes[capacity + 1]
+    assert capacity == 9
+
+
+def test_max_batch_stops_full_attention_where_its_requests_fill_the_pool(tmp_path, monkeypatch):
+    """Full attention climbs only to its capacity whatever its measured gain; a bounded engine climbs on."""
+    import argparse
+
+    from trikv.benchmarks import serving
+
+    parser = argparse.ArgumentParser()
+    serving.add_arguments(parser)
+    args = parser.parse_args(["--length", "8192", "--concurrency", "4,8,16,32", "--methods", "full,triattention",
+                              "--budgets", "512", "--max-batch"])
+    ran = []
+
+    def run_one(spec, out, label):
+        ran.append(label)
+        return {"output_tokens_per_second": 10.0 * spec["concurrency"], "tpot_seconds": {"p50": 0.1, "p99": 0.12},
+                "preemptions_in_window": 0, "warmup_seconds": 1.0, "window_seconds": 1.0,
+                "trikv": {"rounds": 1, "seconds": 0.1} if spec.get("trikv") else None}
+
+    monkeypatch.setattr(serving, "run_one", run_one)
+    runs, summary = serving.max_batch(args, serving._configurations(args), "offline", tmp_path)
+    assert [r["concurrency"] for r in runs if r["method"] == "full"] == [4, 8]
+    assert [r["concurrency"] for r in runs if r["method"] == "triattention"] == [4, 8, 16, 32]
+    full = next(entry for entry in summary if entry["method"] == "full")
+    assert full["best_concurrency"] == 8 and "fill the pool at 9 slots" in full["stopped"]

@@ -53,7 +53,8 @@ def add_arguments(parser) -> None:
                              "(starts in seconds; the default runs each in its own processes, as vLLM is deployed)")
     parser.add_argument("--max-batch", action="store_true",
                         help="the paper's protocol: every engine climbs the --concurrency ladder (e.g. 8,16,32,64,128) until its "
-                             "output tokens/s gains less than --min-gain or its pool preempts, and is compared at its own best; "
+                             "output tokens/s gains less than --min-gain or its pool preempts (full attention also stops where its "
+                             "pre-aged requests fill the pool: beyond, the others only queue), and is compared at its own best; "
                              "a short-context floor run (full attention, --floor-length-token requests) at each engine's best "
                              "concurrency shows what this machine does per token when attention costs almost nothing")
     parser.add_argument("--min-gain", type=float, default=0.03, help="--max-batch: smallest relative gain that keeps climbing (default 0.03)")
@@ -158,16 +159,38 @@ def main(args) -> int:
     return 0
 
 
+def full_attention_capacity(length: int, short: int, pool_tokens: int) -> int:
+    """The most slots whose pre-aged first prompts (ages spread over [0, length)) fit the KV pool together. With
+    more, vLLM admits only the youngest of them and the others queue: a window then measures a young, cheap batch
+    that a long run does not keep (its running requests' ages stay spread while the pool bounds their number), so
+    full attention's max-batch ladder stops there."""
+    from .serving_engine import pre_aged_prompt
+
+    slots = 1
+    while sum(pre_aged_prompt(slot, slots + 1, length, short) for slot in range(slots + 1)) <= pool_tokens:
+        slots += 1
+    return slots
+
+
 def max_batch(args, configs: list[dict], mode: str, out: Path) -> tuple[list[dict], list[dict]]:
     """Every engine (method, budget) at the concurrency where its own throughput peaks, and a short-context floor
-    run at that concurrency; the ratio of each bounded engine's best to full attention's best."""
+    run at that concurrency; the ratio of each bounded engine's best to full attention's best. Full attention
+    climbs no higher than `full_attention_capacity` (its first rung always runs)."""
     ladder = sorted({config["concurrency"] for config in configs})
     engines = list(dict.fromkeys((config["method"], config["budget"]) for config in configs))
     runs, summary, floors = [], [], {}
     port = 8100
+    first = _spec(args, configs[0], mode, out, 0)
+    capacity = full_attention_capacity(args.length, first["short_prompt"], (first["pool_blocks"] - 1) * args.block_size)
     for method, budget in engines:
         best, stopped = None, f"top of the ladder ({ladder[-1]})"
-        for concurrency in ladder:
+        rungs = ladder
+        if method == "full":
+            rungs = [c for c in ladder if c <= capacity] or ladder[:1]
+            if len(rungs) < len(ladder):
+                stopped = (f"its pre-aged requests fill the pool at {capacity} slots (more would only queue: "
+                           f"rung {ladder[len(rungs)]} not run)")
+        for concurrency in rungs:
             config = {"method": method, "budget": budget, "concurrency": concurrency}
             label = f"{_label(config)}-{mode}"
             print(f"[max-batch] {label} ...", flush=True)

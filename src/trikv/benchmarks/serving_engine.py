@@ -41,6 +41,12 @@ def _text_ids(tokenizer, minimum: int) -> list[int]:
     return ids
 
 
+def pre_aged_prompt(slot: int, slots: int, length: int, short: int) -> int:
+    """Full attention: the first prompt's length of slot `slot` of `slots` (a request that has run slot / slots of
+    its `length` tokens)."""
+    return max(short, slot * (length - 2 * short) // slots)
+
+
 def _prompts(spec: dict, tokenizer) -> list[list[int]]:
     """The first prompt of every slot: pre-aged for full attention, short and staggered for a bounded cache."""
     length, slots, short = spec["length"], spec["concurrency"], spec["short_prompt"]
@@ -50,7 +56,7 @@ def _prompts(spec: dict, tokenizer) -> list[list[int]]:
         if spec.get("trikv"):
             size = short + slot * spec["stagger"] // slots
         else:
-            size = max(short, slot * (length - 2 * short) // slots)
+            size = pre_aged_prompt(slot, slots, length, short)
         start = (slot * 997) % (len(source) - size)
         first.append(source[start : start + size])
     return first
