@@ -58,7 +58,7 @@ def test_max_batch_stops_full_attention_where_its_requests_fill_the_pool(tmp_pat
                               "--budgets", "512", "--max-batch"])
     ran = []
 
-    def run_one(spec, out, label):
+    def run_one(spec, out, label, reuse=False):
         ran.append(label)
         return {"output_tokens_per_second": 10.0 * spec["concurrency"], "tpot_seconds": {"p50": 0.1, "p99": 0.12},
                 "preemptions_in_window": 0, "warmup_seconds": 1.0, "window_seconds": 1.0,
@@ -70,3 +70,17 @@ def test_max_batch_stops_full_attention_where_its_requests_fill_the_pool(tmp_pat
     assert [r["concurrency"] for r in runs if r["method"] == "triattention"] == [4, 8, 16, 32]
     full = next(entry for entry in summary if entry["method"] == "full")
     assert full["best_concurrency"] == 8 and "fill the pool at 9 slots" in full["stopped"]
+
+
+def test_reuse_reads_back_a_run_with_the_same_settings_only(tmp_path, monkeypatch):
+    from trikv.benchmarks import serving, serving_engine
+
+    calls = []
+    monkeypatch.setattr(serving_engine, "run", lambda spec: calls.append(spec) or {"tokens": len(calls)})
+    spec = {"concurrency": 8, "length": 8192, "in_process": True, "port": 8101, "log": "a.log"}
+    assert serving.run_one(spec, tmp_path, "full-n8-offline") == {"tokens": 1}
+    moved = {**spec, "port": 9000, "log": "b.log"}  # another port and log: the same measurement
+    assert serving.run_one(moved, tmp_path, "full-n8-offline", reuse=True) == {"tokens": 1} and len(calls) == 1
+    assert serving.run_one(moved, tmp_path, "full-n8-offline") == {"tokens": 2}  # without reuse: measured again
+    changed = {**spec, "length": 4096}
+    assert serving.run_one(changed, tmp_path, "full-n8-offline", reuse=True) == {"tokens": 3} and len(calls) == 3

@@ -59,6 +59,9 @@ def add_arguments(parser) -> None:
                              "concurrency shows what this machine does per token when attention costs almost nothing")
     parser.add_argument("--min-gain", type=float, default=0.03, help="--max-batch: smallest relative gain that keeps climbing (default 0.03)")
     parser.add_argument("--floor-length", type=int, default=512, help="--max-batch: request length of the floor runs (default 512)")
+    parser.add_argument("--reuse", action="store_true",
+                        help="read back the runs already in --out whose settings are the same (port and log aside) "
+                             "instead of measuring them again")
     parser.add_argument("--out", default="runs/serve", help="output folder (default runs/serve)")
     parser.set_defaults(func=main)
 
@@ -99,8 +102,17 @@ def _label(config: dict) -> str:
     return f"{name}-n{config['concurrency']}"
 
 
-def run_one(spec: dict, out: Path, label: str) -> dict:
+def run_one(spec: dict, out: Path, label: str, reuse: bool = False) -> dict:
+    """One engine's measurement (`serving_engine`); with `reuse`, the result already in `out` for the same spec
+    (port and log path aside) is read back instead."""
     spec_path, result_path = out / f"{label}.spec.json", out / f"{label}.json"
+    if reuse and spec_path.is_file() and result_path.is_file():
+        def same(a: dict, b: dict) -> bool:
+            return {k: v for k, v in a.items() if k not in ("port", "log")} == {k: v for k, v in b.items() if k not in ("port", "log")}
+
+        if same(json.loads(spec_path.read_text()), spec):
+            print(f"    {label}: reusing {result_path}", flush=True)
+            return json.loads(result_path.read_text())
     spec_path.write_text(json.dumps(spec, indent=2))
     if spec["in_process"]:  # engine core and worker in this interpreter, one run after another (vLLM imported once)
         from .serving_engine import run
@@ -136,7 +148,7 @@ def main(args) -> int:
         for mode in modes:
             label = f"{_label(config)}-{mode}"
             print(f"[{index + 1}/{len(configs)}] {label} ...", flush=True)
-            result = run_one(_spec(args, config, mode, out, 8100 + index), out, label)
+            result = run_one(_spec(args, config, mode, out, 8100 + index), out, label, args.reuse)
             runs.append({**config, "mode": mode, **{k: v for k, v in result.items() if k != "spec"}})
             print(f"    {result['output_tokens_per_second']:.1f} output tok/s over {result['window_seconds']:.0f} s "
                   f"(warm-up {result['warmup_seconds']:.0f} s)", flush=True)
@@ -195,7 +207,7 @@ def max_batch(args, configs: list[dict], mode: str, out: Path) -> tuple[list[dic
             label = f"{_label(config)}-{mode}"
             print(f"[max-batch] {label} ...", flush=True)
             port += 1
-            result = run_one(_spec(args, config, mode, out, port), out, label)
+            result = run_one(_spec(args, config, mode, out, port), out, label, args.reuse)
             run = {**config, "mode": mode, **{k: v for k, v in result.items() if k != "spec"}}
             runs.append(run)
             print(f"    {run['output_tokens_per_second']:.1f} output tok/s, {int(run.get('preemptions_in_window') or 0)} preemptions",
@@ -216,7 +228,7 @@ def max_batch(args, configs: list[dict], mode: str, out: Path) -> tuple[list[dic
             floor_spec.update(length=args.floor_length, warmup_max=min(args.warmup_max, args.settle),
                               log=str(out / f"floor-n{best['concurrency']}-{mode}.server.log"))
             print(f"[max-batch] floor: full attention, {args.floor_length}-token requests, {best['concurrency']} slots ...", flush=True)
-            floors[best["concurrency"]] = run_one(floor_spec, out, f"floor-n{best['concurrency']}-{mode}")
+            floors[best["concurrency"]] = run_one(floor_spec, out, f"floor-n{best['concurrency']}-{mode}", args.reuse)
         floor = floors[best["concurrency"]]
         trikv = best.get("trikv") or {}
         elapsed = (best.get("warmup_seconds") or 0) + (best.get("window_seconds") or 0)
