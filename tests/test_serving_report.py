@@ -80,7 +80,8 @@ def test_reuse_reads_back_a_run_with_the_same_settings_only(tmp_path, monkeypatc
     spec = {"concurrency": 8, "length": 8192, "in_process": True, "port": 8101, "log": "a.log"}
     assert serving.run_one(spec, tmp_path, "full-n8-offline") == {"tokens": 1}
     moved = {**spec, "port": 9000, "log": "b.log"}  # another port and log: the same measurement
-    assert serving.run_one(moved, tmp_path, "full-n8-offline", reuse=True) == {"tokens": 1} and len(calls) == 1
+    assert serving.run_one(moved, tmp_path, "full-n8-offline", reuse=True) == {"tokens": 1, "reused": True}
+    assert len(calls) == 1
     assert serving.run_one(moved, tmp_path, "full-n8-offline") == {"tokens": 2}  # without reuse: measured again
     changed = {**spec, "length": 4096}
     assert serving.run_one(changed, tmp_path, "full-n8-offline", reuse=True) == {"tokens": 3} and len(calls) == 3

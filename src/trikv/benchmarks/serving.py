@@ -112,7 +112,7 @@ def run_one(spec: dict, out: Path, label: str, reuse: bool = False) -> dict:
 
         if same(json.loads(spec_path.read_text()), spec):
             print(f"    {label}: reusing {result_path}", flush=True)
-            return json.loads(result_path.read_text())
+            return {**json.loads(result_path.read_text()), "reused": True}
     spec_path.write_text(json.dumps(spec, indent=2))
     if spec["in_process"]:  # engine core and worker in this interpreter, one run after another (vLLM imported once)
         from .serving_engine import run
@@ -159,6 +159,7 @@ def main(args) -> int:
         "pool_blocks": _spec(args, configs[0], "offline", out, 0)["pool_blocks"],
         "runs": runs,
         "elapsed_seconds": time.perf_counter() - started,
+        "reused_runs": sum(1 for run in runs if run.get("reused")),
         "machine": _machine(),
     }
     if args.max_batch:

@@ -104,7 +104,9 @@ def write_serving_report(folders: list[str | Path], out: str | Path) -> Path:
                   f"- model {settings['model']} ({settings['dtype']}), {settings['length']}-token requests, KV pool "
                   f"{record['pool_blocks'] - 1} blocks of {settings['block_size']} tokens = {settings['pool_requests']} "
                   f"full-length requests; window {settings['window']:.0f} s; {record['machine']['cpus']} CPU cores; "
-                  f"{record['elapsed_seconds'] / 60:.1f} min in all", ""]
+                  f"{record['elapsed_seconds'] / 60:.1f} min in all"
+                  + (f" ({record['reused_runs']} of the runs read back from an earlier invocation with the same "
+                     "settings, `--reuse`)" if record.get("reused_runs") else ""), ""]
         rows = target_rows(record)
         if rows:
             lines += ["| target | measured | status |", "|---|---|---|"]
