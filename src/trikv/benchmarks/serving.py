@@ -107,10 +107,10 @@ def run_one(spec: dict, out: Path, label: str, reuse: bool = False) -> dict:
     (port and log path aside) is read back instead."""
     spec_path, result_path = out / f"{label}.spec.json", out / f"{label}.json"
     if reuse and spec_path.is_file() and result_path.is_file():
-        def same(a: dict, b: dict) -> bool:
-            return {k: v for k, v in a.items() if k not in ("port", "log")} == {k: v for k, v in b.items() if k not in ("port", "log")}
+        def settings(run_spec: dict) -> dict:  # what the measurement depends on
+            return {k: v for k, v in run_spec.items() if k not in ("port", "log")}
 
-        if same(json.loads(spec_path.read_text()), spec):
+        if settings(json.loads(spec_path.read_text())) == settings(spec):
             print(f"    {label}: reusing {result_path}", flush=True)
             return {**json.loads(result_path.read_text()), "reused": True}
     spec_path.write_text(json.dumps(spec, indent=2))
