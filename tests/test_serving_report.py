@@ -85,3 +85,44 @@ def test_reuse_reads_back_a_run_with_the_same_settings_only(tmp_path, monkeypatc
     assert serving.run_one(moved, tmp_path, "full-n8-offline") == {"tokens": 2}  # without reuse: measured again
     changed = {**spec, "length": 4096}
     assert serving.run_one(changed, tmp_path, "full-n8-offline", reuse=True) == {"tokens": 3} and len(calls) == 3
+
+
+def _serve_args(*argv: str):
+    import argparse
+
+    from trikv.benchmarks import serving
+
+    parser = argparse.ArgumentParser()
+    serving.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_a_length_past_the_trained_positions_is_refused_unless_asked_for(tmp_path):
+    import json
+
+    from trikv.benchmarks import serving
+    from trikv.benchmarks.serving_engine import _engine_kwargs
+
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 4096}))
+    with pytest.raises(ValueError, match=r"--length 8192 is past .*trained positions \(4096\); pass --beyond-trained-context"):
+        serving.check_length(_serve_args("--model", str(tmp_path), "--length", "8192"))
+    assert serving.check_length(_serve_args("--model", str(tmp_path), "--length", "4096")) == 4096
+    args = _serve_args("--model", str(tmp_path), "--length", "8192", "--beyond-trained-context")
+    assert serving.check_length(args) == 4096
+    spec = serving._spec(args, {"method": "full", "budget": None, "concurrency": 4}, "offline", tmp_path, 0)
+    kwargs = _engine_kwargs(spec)
+    assert kwargs["hf_overrides"] == {"max_position_embeddings": 8192} and kwargs["max_model_len"] == 8192
+    plain = serving._spec(_serve_args("--model", str(tmp_path), "--length", "4096"),
+                          {"method": "full", "budget": None, "concurrency": 4}, "offline", tmp_path, 0)
+    assert "hf_overrides" not in _engine_kwargs(plain)
+
+
+@pytest.mark.parametrize("length, ratio, status", [(16384, 3.2, True), (16384, 2.9, False), (8192, 5.0, None)])
+def test_max_batch_target_is_judged_at_16k_only(length, ratio, status):
+    from trikv.benchmarks.serving_report import target_rows
+
+    record = {"settings": {"length": length, "pool_requests": 4}, "runs": [],
+              "max_batch": [{"method": "full", "budget": None, "best_vs_full_best": None},
+                            {"method": "triattention", "budget": 512, "best_vs_full_best": ratio}]}
+    (row,) = target_rows(record)
+    assert row[1] == f"x{ratio:.2f}" and row[2] is status

@@ -62,8 +62,35 @@ def add_arguments(parser) -> None:
     parser.add_argument("--reuse", action="store_true",
                         help="read back the runs already in --out whose settings are the same (port and log aside) "
                              "instead of measuring them again")
+    parser.add_argument("--beyond-trained-context", action="store_true",
+                        help="allow --length past the model's trained positions (max_position_embeddings is raised to it): "
+                             "the text generated past them is not meaningful, its cost is that of a real generation of "
+                             "that length; the report says so")
     parser.add_argument("--out", default="runs/serve", help="output folder (default runs/serve)")
     parser.set_defaults(func=main)
+
+
+def trained_positions(model: str) -> int | None:
+    """The model's `max_position_embeddings` (from its config.json), or None where the config has none."""
+    from ..models import resolve_model_path
+
+    folder = Path(resolve_model_path(model))
+    if not (folder / "config.json").is_file():
+        return None  # a hub id: vLLM reads and checks its config itself
+    config = json.loads((folder / "config.json").read_text())
+    config = config.get("text_config", config)
+    return config.get("max_position_embeddings")
+
+
+def check_length(args) -> int | None:
+    """Refuse a --length past the model's trained positions unless --beyond-trained-context says to go on."""
+    trained = trained_positions(args.model)
+    if trained is not None and args.length > trained and not args.beyond_trained_context:
+        raise ValueError(
+            f"--length {args.length} is past {args.model}'s trained positions ({trained}); pass "
+            "--beyond-trained-context to measure anyway (throughput only: the text past "
+            f"{trained} positions is not meaningful)")
+    return trained
 
 
 def _configurations(args) -> list[dict]:
@@ -85,6 +112,8 @@ def _spec(args, config: dict, mode: str, out: Path, port: int) -> dict:
         "warmup_max": args.warmup_max, "window": args.window, "mode": mode, "port": port,
         "log": str(out / f"{_label(config)}-{mode}.server.log"), "in_process": args.in_process and mode == "offline",
     }
+    if getattr(args, "beyond_trained_context", False):
+        spec["max_position_embeddings"] = args.length
     if config["method"] != "full":
         trikv = {"method": config["method"], "budget": config["budget"], "divide_length": args.divide_length}
         if args.max_rounds_per_step is not None:
@@ -134,6 +163,7 @@ def main(args) -> int:
     from ..vllm import check_vllm_version
 
     check_vllm_version()
+    trained = check_length(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     configs = _configurations(args)
@@ -157,6 +187,7 @@ def main(args) -> int:
         "command": "trikv bench serve " + " ".join(sys.argv[3:]) if sys.argv[1:3] == ["bench", "serve"] else None,
         "settings": {k: v for k, v in vars(args).items() if k != "func"},
         "pool_blocks": _spec(args, configs[0], "offline", out, 0)["pool_blocks"],
+        "trained_positions": trained,
         "runs": runs,
         "elapsed_seconds": time.perf_counter() - started,
         "reused_runs": sum(1 for run in runs if run.get("reused")),

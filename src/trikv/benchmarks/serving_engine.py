@@ -115,6 +115,8 @@ def _engine_kwargs(spec: dict) -> dict:
     import trikv.vllm
 
     extra = trikv.vllm.engine_args(**spec["trikv"]) if spec.get("trikv") else {}
+    if spec.get("max_position_embeddings"):  # --beyond-trained-context
+        extra["hf_overrides"] = {"max_position_embeddings": spec["max_position_embeddings"]}
     return {
         "dtype": spec["dtype"], "enforce_eager": True, "block_size": spec["block_size"], "max_model_len": spec["length"],
         "num_gpu_blocks_override": spec["pool_blocks"], "max_num_seqs": spec["concurrency"],

@@ -13,6 +13,9 @@ from pathlib import Path
 from .report_pages import embed_plot
 from .serving import TARGET_RATIO, format_max_batch, format_table
 
+MAX_BATCH_TARGET_RATIO = 3.0  # bounded engine's best output tokens/s over full attention's best, both at max batch
+MAX_BATCH_TARGET_LENGTH = 16384  # tokens per request where that target is judged (the paper decodes 16K)
+
 
 def _seconds(value) -> str:
     return "-" if value is None else f"{value * 1000:.0f} ms"
@@ -21,7 +24,7 @@ def _seconds(value) -> str:
 def target_rows(record: dict) -> list[tuple[str, str, bool | None]]:
     rows = []
     settings = record["settings"]
-    for run in record["runs"]:
+    for run in [] if record.get("max_batch") else record["runs"]:  # the fixed-slot target of the fixed-slot protocol
         if run["budget"] != 512 or run["concurrency"] != 32:
             continue
         ratio = run.get("throughput_vs_full")
@@ -30,6 +33,19 @@ def target_rows(record: dict) -> list[tuple[str, str, bool | None]]:
             f"full requests ({run['mode']}): >= {TARGET_RATIO}x full attention's output tokens/s",
             "full attention not measured" if ratio is None else f"x{ratio:.2f}",
             None if ratio is None else ratio >= TARGET_RATIO,
+        ))
+    for entry in record.get("max_batch") or []:
+        ratio = entry.get("best_vs_full_best")
+        if entry["budget"] is None:
+            continue
+        judged = settings["length"] == MAX_BATCH_TARGET_LENGTH  # the target is set at 16K-token generations
+        rows.append((
+            f"{entry['method']} B={entry['budget']} at its best concurrency vs full attention at its best, "
+            f"{settings['length']}-token generations, pool = {settings['pool_requests']} full requests: "
+            f">= {MAX_BATCH_TARGET_RATIO}x at {MAX_BATCH_TARGET_LENGTH} tokens"
+            + ("" if judged else f" (reported at {settings['length']}, judged at {MAX_BATCH_TARGET_LENGTH} only)"),
+            "full attention not measured" if ratio is None else f"x{ratio:.2f}",
+            None if ratio is None or not judged else ratio >= MAX_BATCH_TARGET_RATIO,
         ))
     return rows
 
@@ -104,9 +120,14 @@ def write_serving_report(folders: list[str | Path], out: str | Path) -> Path:
                   f"- model {settings['model']} ({settings['dtype']}), {settings['length']}-token requests, KV pool "
                   f"{record['pool_blocks'] - 1} blocks of {settings['block_size']} tokens = {settings['pool_requests']} "
                   f"full-length requests; window {settings['window']:.0f} s; {record['machine']['cpus']} CPU cores; "
-                  f"{record['elapsed_seconds'] / 60:.1f} min in all"
-                  + (f" ({record['reused_runs']} of the runs read back from an earlier invocation with the same "
-                     "settings, `--reuse`)" if record.get("reused_runs") else ""), ""]
+                  + (f"{record['elapsed_seconds'] / 60:.1f} min in the last invocation, {record['reused_runs']} of "
+                     "the runs read back from an earlier one with the same settings (`--reuse`)" if record.get("reused_runs")
+                     else f"{record['elapsed_seconds'] / 60:.1f} min in all"), ""]
+        trained = record.get("trained_positions")
+        if trained and settings["length"] > trained:
+            lines += [f"- {settings['model']} was trained on {trained} positions and these requests run to "
+                      f"{settings['length']} (`--beyond-trained-context`): the text past {trained} positions is not "
+                      "meaningful; what is measured, the cost of a generation of that length, is.", ""]
         rows = target_rows(record)
         if rows:
             lines += ["| target | measured | status |", "|---|---|---|"]
