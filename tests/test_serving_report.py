@@ -126,3 +126,26 @@ def test_max_batch_target_is_judged_at_16k_only(length, ratio, status):
                             {"method": "triattention", "budget": 512, "best_vs_full_best": ratio}]}
     (row,) = target_rows(record)
     assert row[1] == f"x{ratio:.2f}" and row[2] is status
+
+
+def test_max_batch_best_is_never_a_preempting_rung(tmp_path, monkeypatch):
+    """The top rung preempts yet measures more tokens/s: the best stays at the largest batch the pool holds."""
+    from trikv.benchmarks import serving
+
+    args = _serve_args("--length", "8192", "--concurrency", "16,32,64", "--methods", "triattention", "--budgets", "512",
+                       "--max-batch")
+    floors = []
+
+    def run_one(spec, out, label, reuse=False):
+        if label.startswith("floor"):
+            floors.append(spec["concurrency"])
+        tokens = {16: 100.0, 32: 150.0, 64: 160.0}[spec["concurrency"]]
+        return {"output_tokens_per_second": tokens, "tpot_seconds": {"p50": 0.1, "p99": 0.12},
+                "preemptions_in_window": 4 if spec["concurrency"] == 64 and not label.startswith("floor") else 0,
+                "warmup_seconds": 1.0, "window_seconds": 1.0, "trikv": None}
+
+    monkeypatch.setattr(serving, "run_one", run_one)
+    runs, (entry,) = serving.max_batch(args, serving._configurations(args), "offline", tmp_path)
+    assert [r["concurrency"] for r in runs] == [16, 32, 64]
+    assert entry["best_concurrency"] == 32 and entry["tokens_per_second"] == 150.0
+    assert entry["stopped"] == "the pool preempts at 64" and floors == [32]

@@ -217,8 +217,9 @@ def full_attention_capacity(length: int, short: int, pool_tokens: int) -> int:
 
 
 def max_batch(args, configs: list[dict], mode: str, out: Path) -> tuple[list[dict], list[dict]]:
-    """Every engine (method, budget) at the concurrency where its own throughput peaks, and a short-context floor
-    run at that concurrency; the ratio of each bounded engine's best to full attention's best. Full attention
+    """Every engine (method, budget) at the concurrency where its own throughput peaks among the rungs its pool
+    holds without preempting (the first rung where nothing else ran), and a short-context floor run at that
+    concurrency; the ratio of each bounded engine's best to full attention's best. Full attention
     climbs no higher than `full_attention_capacity` (its first rung always runs)."""
     ladder = sorted({config["concurrency"] for config in configs})
     engines = list(dict.fromkeys((config["method"], config["budget"]) for config in configs))
@@ -244,12 +245,14 @@ def max_batch(args, configs: list[dict], mode: str, out: Path) -> tuple[list[dic
             runs.append(run)
             print(f"    {run['output_tokens_per_second']:.1f} output tok/s, {int(run.get('preemptions_in_window') or 0)} preemptions",
                   flush=True)
+            if run.get("preemptions_in_window"):
+                # past the largest batch the pool holds: a preempting rung is not a batch size the engine sustains
+                stopped = f"the pool preempts at {concurrency}"
+                best = best or run
+                break
             gained = best is None or run["output_tokens_per_second"] >= best["output_tokens_per_second"] * (1 + args.min_gain)
             if best is None or run["output_tokens_per_second"] > best["output_tokens_per_second"]:
                 best = run
-            if run.get("preemptions_in_window"):
-                stopped = f"the pool preempts at {concurrency}"
-                break
             if not gained:
                 stopped = f"throughput stopped rising at {concurrency} (< +{args.min_gain:.0%})"
                 break
