@@ -149,3 +149,12 @@ def test_max_batch_best_is_never_a_preempting_rung(tmp_path, monkeypatch):
     assert [r["concurrency"] for r in runs] == [16, 32, 64]
     assert entry["best_concurrency"] == 32 and entry["tokens_per_second"] == 150.0
     assert entry["stopped"] == "the pool preempts at 64" and floors == [32]
+
+
+def test_bound_lines_say_when_the_warm_up_was_capped():
+    capped = record(0.08, 0.1, 10, 0.5)
+    capped["runs"][0].update(warmup_capped=True, warmup_seconds=901.0)
+    (line,) = _bound_lines(capped)
+    assert "the warm-up reached its cap (901 s) before every first request was compacted" in line
+    (line,) = _bound_lines(record(0.08, 0.1, 10, 0.5))
+    assert "warm-up" not in line

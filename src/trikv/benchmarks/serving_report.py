@@ -75,7 +75,11 @@ def _bound_lines(record: dict) -> list[str]:
                      f"{run['output_tokens_per_second'] * tpot:.1f} requests decode per step on average; "
                      f"peak KV {run.get('peak_kv_blocks', '?')} of {record['pool_blocks'] - 1} blocks, "
                      f"{int(run.get('preemptions_in_window') or 0)} preemptions in the window"
-                     + _latency_note(run))
+                     + _latency_note(run)
+                     + (f"; the warm-up reached its cap ({run['warmup_seconds']:.0f} s) before "
+                        + ("every first request was compacted (the pool could not admit them all at once)"
+                           if run["budget"] is not None else "the pool had been full for the settle time")
+                        if run.get("warmup_capped") else ""))
     full = {(run["concurrency"], run["mode"]): run for run in record["runs"] if run["budget"] is None}
     for run in record["runs"]:
         reference = full.get((run["concurrency"], run["mode"]))
