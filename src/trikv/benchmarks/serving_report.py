@@ -140,7 +140,8 @@ def write_serving_report(folders: list[str | Path], out: str | Path) -> Path:
         lines += ["```", format_table(record), "```", ""]
         if record.get("max_batch"):
             lines += ["Each engine at the concurrency where its own output throughput peaks (it climbs the slot ladder until "
-                      f"the gain falls under {settings.get('min_gain', 0.03):.0%} or its pool preempts); `floor`: full attention "
+                      f"the gain falls under {settings.get('min_gain', 0.03):.0%} or its pool preempts; a preempting rung is never "
+                      "its best); `floor`: full attention "
                       f"with {settings.get('floor_length', 512)}-token requests at that concurrency, what this machine does "
                       "per token when attention costs almost nothing; `compaction`: the rounds' time over the run's time.",
                       "", "```", format_max_batch(record), "```", ""]
