@@ -881,9 +881,10 @@ def test_serving_benchmark_runs_offline_and_over_http_and_renders_its_page(tmp_p
         assert run["output_tokens"] > 0 and run["output_tokens_per_second"] > 0 and run["tpot_seconds"]["p50"] > 0
     best = {entry["method"]: entry for entry in offline["max_batch"]}
     assert set(best) == {"full", "triattention"}
-    for method, entry in best.items():  # the best is the fastest run the engine made on the ladder
+    for method, entry in best.items():  # the best is the fastest rung the engine ran without preempting
         climbed = [r for r in offline["runs"] if r["method"] == method]
-        assert climbed[0]["concurrency"] == 2 and entry["tokens_per_second"] == max(r["output_tokens_per_second"] for r in climbed)
+        sustained = [r for r in climbed if not r.get("preemptions_in_window")] or climbed[:1]
+        assert climbed[0]["concurrency"] == 2 and entry["tokens_per_second"] == max(r["output_tokens_per_second"] for r in sustained)
         assert entry["floor_tokens_per_second"] > 0 and entry["stopped"]
     assert best["triattention"]["best_vs_full_best"] == pytest.approx(best["triattention"]["tokens_per_second"] / best["full"]["tokens_per_second"])
     bounded = next(r for r in offline["runs"] if r["method"] == "triattention")
