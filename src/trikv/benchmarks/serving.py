@@ -112,7 +112,7 @@ def _spec(args, config: dict, mode: str, out: Path, port: int) -> dict:
         "warmup_max": args.warmup_max, "window": args.window, "mode": mode, "port": port,
         "log": str(out / f"{_label(config)}-{mode}.server.log"), "in_process": args.in_process and mode == "offline",
     }
-    if getattr(args, "beyond_trained_context", False):
+    if args.beyond_trained_context:
         spec["max_position_embeddings"] = args.length
     if config["method"] != "full":
         trikv = {"method": config["method"], "budget": config["budget"], "divide_length": args.divide_length}
@@ -218,7 +218,7 @@ def full_attention_capacity(length: int, short: int, pool_tokens: int) -> int:
 
 def max_batch(args, configs: list[dict], mode: str, out: Path) -> tuple[list[dict], list[dict]]:
     """Every engine (method, budget) at the concurrency where its own throughput peaks among the rungs its pool
-    holds without preempting (the first rung where nothing else ran), and a short-context floor run at that
+    holds without preempting (its first rung if every rung preempts), and a short-context floor run at that
     concurrency; the ratio of each bounded engine's best to full attention's best. Full attention
     climbs no higher than `full_attention_capacity` (its first rung always runs)."""
     ladder = sorted({config["concurrency"] for config in configs})
