@@ -26,13 +26,28 @@ trikv bench quality --task fidelity --model qwen2.5-coder-1.5b --traces design -
 # 3. the pre-registered held-out test (docs/preregistration.json): MATH-500 rows 300-399, B = 128, greedy, 1,024 tokens;
 # in chunks of 32 problems (the batches of one 100-problem run), the candidate and R-KV first; every finished chunk is
 # saved, so the run can be split over sittings (~10-12 min per method and chunk)
-candidate=$(python -c "import json; print(json.load(open('docs/preregistration.json'))['candidate'])")
+candidate=$(python -c "import json; print(json.load(open('docs/preregistration.json'))['tests'][0]['candidate'])")
 for methods in "$candidate rkv" "full triattention snapkv"; do
   for end in 332 364 396 400; do
     for method in $methods; do
       trikv bench quality --task math --model qwen2.5-coder-1.5b --budgets 128 --samples 1 --math-batch 32 --temperature 0 \
         --max-new-tokens 1024 --problems "$(python -c "print(','.join(f'math500-{i}' for i in range(300, $end)))")" \
         --dtype bfloat16 --threads 2 --no-progress --out runs/quality/qwen2.5-coder-1.5b-heldout --methods $method
+    done
+  done
+done
+# 3b. the second pre-registered test (docs/preregistration.json, heldout-2): MATH-500 rows 137-199 and 433-499, B = 128
+# (then 256), greedy, 1,024 tokens; TriAttention and R-KV first, in chunks of 32 problems (each finished chunk is saved)
+heldout2=$(python -c "print(','.join(f'math500-{i}' for i in [*range(137, 200), *range(433, 500)]))")
+for budget in 128 256; do
+  for methods in "triattention rkv" "full triattention-dedup snapkv"; do
+    for end in 32 64 96 128 130; do
+      for method in $methods; do
+        [ "$method" = full ] && [ "$budget" = 256 ] && continue  # full attention does not depend on the budget
+        trikv bench quality --task math --model qwen2.5-coder-1.5b --budgets $budget --samples 1 --math-batch 32 --temperature 0 \
+          --max-new-tokens 1024 --problems "$(echo "$heldout2" | cut -d, -f1-$end)" \
+          --dtype bfloat16 --threads 2 --no-progress --out runs/quality/qwen2.5-coder-1.5b-heldout2 --methods $method
+      done
     done
   done
 done

@@ -19,7 +19,8 @@ budget=${2:-2048}
 name=$(basename "$model" | tr '[:upper:]' '[:lower:]')
 out=runs/paper-setting/$name
 mkdir -p "$out"
-candidate=$(python -c "import json; print(json.load(open('docs/preregistration.json'))['candidate'])")
+# the methods of the latest pre-registered test (full, triattention, triattention-dedup, rkv, snapkv)
+methods=$(python -c "import json; print(','.join(json.load(open('docs/preregistration.json'))['tests'][-1]['methods']))")
 
 # 1. calibration text: 48 full-attention reasoning traces of up to 8K tokens (the paper calibrates on such traces)
 if [ ! -s "$out/calibration.txt" ]; then
@@ -34,6 +35,6 @@ fi
 # 3. accuracy on AIME 2024 + 2025 (the run resumes: rerun the script to continue after an interruption)
 trikv bench quality --task math --model "$model" --stats "$out/stats.safetensors" --math-datasets aime24,aime25 \
   --samples 8 --temperature 0.6 --max-new-tokens 32768 --budgets "$budget" --math-batch 32 --math-engine lean \
-  --methods "full,triattention,$candidate,rkv,snapkv" --device cuda --dtype bfloat16 --no-progress --out "$out/aime"
+  --methods "$methods" --device cuda --dtype bfloat16 --no-progress --out "$out/aime"
 trikv bench report "$out/aime" --out "$out/results.md"
 echo "report: $out/results.md"

@@ -242,6 +242,40 @@ def test_preregistered_outcome_is_computed_from_the_run():
     assert interim.startswith("Interim, no outcome yet") and "met" not in interim and "on 4 problems" in interim
 
 
+def test_second_registration_is_read_by_its_rule_and_pooled_with_the_first():
+    import json
+    from pathlib import Path
+
+    from trikv.benchmarks.quality.report import paired_reading, preregistration_lines, registered_problems, registered_tests
+
+    tests = registered_tests(json.loads((Path(__file__).parents[1] / "docs" / "preregistration.json").read_text()))
+    second = next(test for test in tests if test.get("reading"))
+    assert second["primary"] == {"candidate": "triattention", "baseline": "rkv"}
+    problems = registered_problems(second)
+    assert len(problems) == second["problems"] == 130 and problems[0] == "math500-137" and problems[-1] == "math500-499"
+    # the reading: independent of the report's wording, from the bootstrap bound alone
+    assert paired_reading([1.0] * 20 + [0.0] * 110, 0.03)[3] == "superior"
+    assert paired_reading([1.0] * 3 + [-1.0] * 2 + [0.0] * 125, 0.03)[3] == "non-inferior"
+    assert paired_reading([1.0] * 10 + [-1.0] * 12 + [0.0] * 108, 0.03)[3] == "inconclusive"
+
+    def record(run_problems, triattention, rkv):
+        cells = {"triattention": dict(zip(run_problems, triattention)), "rkv": dict(zip(run_problems, rkv))}
+        return {"results": {"math": {"math500": {m: {"128": {"by_problem": s}} for m, s in cells.items()}}}}
+
+    assert preregistration_lines(second, [])[-1].endswith("not run yet.")
+    half = record(problems[:65], [1.0] * 65, [0.0] * 65)
+    assert "interim, no outcome yet (65 of 130" in preregistration_lines(second, [(second["run"], half)])[-2]
+    # 26 more problems solved by triattention only: +20 points, the interval far above 0
+    win = record(problems, [1.0] * 26 + [0.0] * 104, [0.0] * 130)
+    first = next(test for test in tests if test.get("id") == second["pooled_with"]["test"])
+    old = [f"math500-{i}" for i in range(300, 400)]
+    lines = preregistration_lines(second, [(second["run"], win), (first["run"], record(old, [0.0] * 100, [1.0] * 100))], [first])
+    primary = next(line for line in lines if line.startswith("Primary, B=128"))
+    assert "+20.0 points" in primary and "**superior**" in primary, primary
+    pooled = next(line for line in lines if line.strip().startswith("Pooled"))
+    assert "230 problems" in pooled and "-32.2 points" in pooled and "inconclusive" in pooled, pooled
+
+
 # ---- reasoning traces ---------------------------------------------------------------------------------------
 def test_traces_refuse_unknown_splits_and_models(tmp_path, monkeypatch):
     from trikv.benchmarks.quality import traces

@@ -875,13 +875,108 @@ def summary_lines(named_records: list[tuple[str, dict]]) -> list[str]:
     return lines
 
 
-def preregistration_lines(preregistration: dict, named_records: list[tuple[str, dict]]) -> list[str]:
-    """The pre-registered test as registered, and its outcome computed from the named run (or 'not run yet')."""
+def registered_tests(preregistration: dict) -> list[dict]:
+    """The tests of a registration file: `{"tests": [...]}`, or one test as its own object."""
+    return list(preregistration["tests"]) if "tests" in preregistration else [preregistration]
+
+
+def registered_problems(test: dict) -> list[str] | None:
+    """Problem ids a test was registered on (`rows`: inclusive [first, last] ranges), or None when it gives a count only."""
+    if "rows" not in test:
+        return None
+    return [f"{test['dataset']}-{row}" for first, last in test["rows"] for row in range(first, last + 1)]
+
+
+def paired_reading(differences, margin: float) -> tuple[float, float, float, str]:
+    """(difference, low, high, reading) of per-problem paired differences (candidate - baseline, each in [-1, 1]):
+    the mean with its paired 95% percentile bootstrap interval over problems (`intervals`: 2,000 resamples, seed 0),
+    read as superior (low > 0), non-inferior (low > -margin) or inconclusive."""
+    import numpy as np
+
+    from .intervals import percentile_interval, resample_weights
+
+    differences = np.asarray(differences, dtype=np.float64)
+    low, high = percentile_interval(resample_weights(len(differences)) @ differences / len(differences))
+    reading = "superior" if low > 0 else "non-inferior" if low > -margin else "inconclusive"
+    return float(differences.mean()), low, high, reading
+
+
+def _answers(named_records: dict, run: str, dataset: str, method: str, budget: str) -> dict | None:
+    cell = _cell((named_records.get(run) or {}).get("results", {}).get("math", {}).get(dataset, {}), method, budget)
+    return cell["by_problem"] if cell and "by_problem" in cell else None
+
+
+def preregistration_lines(preregistration: dict, named_records: list[tuple[str, dict]],
+                          earlier_tests: list[dict] = ()) -> list[str]:
+    """One registered test as registered, and its outcome computed from the named run (or 'not run yet').
+
+    A test with a `reading` is judged by it (`paired_reading`) for its primary and secondary comparisons, at its
+    budget and, where the run has it, its secondary budget; its `pooled` figure adds the problems of the earlier
+    test it names. A test without one (the first registration) keeps its own rule: the candidate's point estimate
+    >= the baseline's."""
+    if "reading" not in preregistration:
+        return _first_registration_lines(preregistration, named_records)
+    test, records = preregistration, dict(named_records)
+    problems = registered_problems(test)
+    margin = float(test["reading"]["margin"])
+    lines = [f"`{test['id']}`, registered {test['registered']} (commit before any run on its rows): {test['problems']} "
+             f"problems, {test['dataset']} rows " + ", ".join(f"{a}-{b}" for a, b in test["rows"])
+             + f" ({test['why_these_rows']}); {test['setting']}; methods {', '.join(f'`{m}`' for m in test['methods'])}.",
+             f"Endpoint: {test['endpoint']}. Reading: superior if the lower bound > 0, non-inferior if it is > -{100 * margin:g} "
+             "points, otherwise inconclusive.",
+             f"Power, stated before the run (`{test['power']['command']}`): {test['power']['plain_statement']}",
+             f"Run: `{test['run']}`: `{test['command']}`"]
+    comparisons = [("primary", test["primary"])] + [("secondary", pair) for pair in test.get("secondary", [])]
+    budgets = [("", str(test["budget"]))]
+    if test.get("secondary_budget") is not None:
+        budgets.append(("secondary budget, ", str(test["secondary_budget"])))
+    earlier = {t.get("id"): t for t in earlier_tests}
+    for budget_label, budget in budgets:
+        for role, pair in comparisons:
+            candidate, baseline = pair["candidate"], pair["baseline"]
+            label = f"{budget_label}{role}, B={budget}: `{candidate}` - `{baseline}`"
+            label = label[0].upper() + label[1:]
+            ours = _answers(records, test["run"], test["dataset"], candidate, budget)
+            theirs = _answers(records, test["run"], test["dataset"], baseline, budget)
+            if ours is None or theirs is None:
+                if not budget_label:
+                    lines.append(f"{label}: not run yet.")
+                continue
+            shared = [q for q in problems if q in ours and q in theirs]
+            if len(shared) < len(problems):
+                lines.append(f"{label}: interim, no outcome yet ({len(shared)} of {len(problems)} problems answered by both).")
+                continue
+            difference, low, high, reading = paired_reading([ours[q] - theirs[q] for q in shared], margin)
+            better = sum(ours[q] > theirs[q] for q in shared)
+            worse = sum(ours[q] < theirs[q] for q in shared)
+            accuracy = lambda answers: sum(answers[q] for q in shared) / len(shared)
+            lines.append(f"{label}: {accuracy(ours):.3f} vs {accuracy(theirs):.3f} on {len(shared)} problems, "
+                         f"{100 * difference:+.1f} points [95% paired bootstrap {100 * low:+.1f}, {100 * high:+.1f}] "
+                         f"(+{better} / -{worse} problems, sign test p {sign_test(better, worse):.2f}): **{reading}** "
+                         "by the registered reading.")
+            pooled_test = earlier.get((test.get("pooled_with") or {}).get("test"))
+            if pooled_test is not None and str(pooled_test["budget"]) == budget:
+                old_ours = _answers(records, pooled_test["run"], pooled_test["dataset"], candidate, budget)
+                old_theirs = _answers(records, pooled_test["run"], pooled_test["dataset"], baseline, budget)
+                if old_ours is not None and old_theirs is not None:
+                    old = [q for q in old_ours if q in old_theirs]
+                    pooled = [ours[q] - theirs[q] for q in shared] + [old_ours[q] - old_theirs[q] for q in old]
+                    difference, low, high, reading = paired_reading(pooled, margin)
+                    lines.append(f"  Pooled with `{pooled_test['id']}` ({len(pooled)} problems; not the registered outcome: "
+                                 f"those rows were seen before this registration): {100 * difference:+.1f} points "
+                                 f"[{100 * low:+.1f}, {100 * high:+.1f}], {reading}.")
+    return lines
+
+
+def _first_registration_lines(preregistration: dict, named_records: list[tuple[str, dict]]) -> list[str]:
+    """The first registration's own rule: the candidate's pass@1 >= the baseline's on the registered problems."""
     candidate, baseline = preregistration["candidate"], preregistration["baseline"]
     budget, dataset = str(preregistration["budget"]), preregistration["dataset"]
     lines = [f"Registered {preregistration['registered']} (commit before the run): {preregistration['hypothesis']}",
              f"Candidate: `{candidate}`. Why this one: {preregistration['rationale']}",
              f"Run: `{preregistration['run']}`: `{preregistration['command']}`"]
+    if preregistration.get("correction"):
+        lines.insert(2, f"Correction: {preregistration['correction']}")
     record = dict(named_records).get(preregistration["run"])
     table = (record or {}).get("results", {}).get("math", {}).get(dataset, {})
     cell, other = _cell(table, candidate, budget), _cell(table, baseline, budget)
@@ -946,8 +1041,11 @@ def write_report(folders: list[str | Path], out: str | Path, title: str = "trikv
                   "95% interval of (method minus triattention) favours TriAttention, *trails* when it favours the method,",
                   "*ties* otherwise.", ""] + [f"- {line}" for line in summary] + [""]
     if preregistration:
-        registered = json.loads(Path(preregistration).read_text())
-        lines += ["## Pre-registered held-out test", ""] + [f"- {line}" for line in preregistration_lines(registered, named)] + [""]
+        tests = registered_tests(json.loads(Path(preregistration).read_text()))
+        for index, test in enumerate(tests):
+            heading = f"## Pre-registered held-out test `{test.get('id', index + 1)}`" if len(tests) > 1 else "## Pre-registered held-out test"
+            lines += [heading, ""] + [f"- {line}" if not line.startswith("  ") else f"  -{line[1:]}"
+                                      for line in preregistration_lines(test, named, tests[:index])] + [""]
     for index, (folder, (name, record)) in enumerate(zip(folders, named)):
         config = record["config"]
         lines += [f"## {record['model']['name']}: run `{name}`", ""]
