@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
@@ -89,6 +90,12 @@ def test_hybrid_calibration_covers_the_global_layers_and_says_so(family, tmp_pat
     path = tmp_path / "stats.safetensors"
     stats.save(path)
     QueryStats.load(path).check_matches(model)
+    umask = os.umask(0o022)  # a statistics file gets the user's usual permissions, not safetensors' private 0600
+    try:
+        stats.save(path)
+    finally:
+        os.umask(umask)
+    assert path.stat().st_mode & 0o777 == 0o644
     partial = QueryStats(stats.q_mean[:1], stats.q_abs_mean[:1], metadata=dict(stats.metadata, layers=[1]))
     partial.save(path)
     with pytest.raises(ValueError, match=r"cover layers \[1\] but the model's cache bounds layers \[1, 3\] \(missing \[3\]\)"):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -140,6 +141,10 @@ class QueryStats:
             }
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         save_file(tensors, str(path), metadata={"trikv": json.dumps(self.metadata, sort_keys=True)})
+        # safetensors writes through a private temporary file (mode 0600): give the file the user's usual permissions
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(path, 0o666 & ~umask)
 
     @classmethod
     def load(cls, path: str | Path) -> "QueryStats":

@@ -23,6 +23,8 @@ def _add_calibrate(sub) -> None:
     p.add_argument("--device", default="cpu", help="where the model runs, e.g. cuda (default cpu)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="model weights' dtype (the statistics are accumulated in float64 whatever it is)")
+    p.add_argument("--skip-sanity-check", action="store_true",
+                   help="calibrate even if the model does not answer a known prompt sanely (checked by default)")
     p.set_defaults(func=cmd_calibrate)
 
 
@@ -31,6 +33,7 @@ def cmd_calibrate(args) -> int:
 
     from .calibration import calibrate
     from .models import load_model
+    from .prompts import document_ids
     from .validation import integer
 
     integer("--max-tokens", args.max_tokens)
@@ -47,7 +50,14 @@ def cmd_calibrate(args) -> int:
     if not text.strip():
         sys.exit(f"trikv calibrate: {text_path} is empty")
     model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype), device=args.device)
-    ids = tokenizer(text, return_tensors="pt").input_ids[0][: args.max_tokens]
+    if not args.skip_sanity_check:
+        from .sanity import ModelSanityError, check_model_answers
+
+        try:
+            check_model_answers(model, tokenizer, args.model)
+        except ModelSanityError as error:
+            sys.exit(f"trikv calibrate: {error} (--skip-sanity-check to calibrate anyway)")
+    ids = torch.tensor(document_ids(tokenizer, text)[: args.max_tokens])
     started = time.perf_counter()
     stats = calibrate(model, ids, source=args.source or text_path.name, chunk_tokens=args.chunk_tokens, model_name=args.model,
                       all_layers=args.all_layers)

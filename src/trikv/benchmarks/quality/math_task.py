@@ -2,8 +2,9 @@
 
 Data: the JSONL copies in trikv/data/datasets (provenance in their README). Prompt: TriAttention's plain
 template for MATH-500 problems ("You are given a math problem. ... Final answer: \\boxed{}"); the AIME
-prompts already end with a boxed-answer instruction. The chat template is applied (the bundled model is an
-instruct model; `chat=False` gives the reference harness's plain prompt). Sampling: T 0.6, top-p 0.95,
+prompts already end with a boxed-answer instruction. An instruct model gets it through its chat template
+(`chat=False` gives the reference harness's plain prompt); a base model gets the completion frame
+`trikv.prompts.MATH_COMPLETION_PROMPT` instead. Sampling: T 0.6, top-p 0.95,
 k samples per problem (seeded per problem), pass@1 = mean over samples, then over problems;
 temperature 0 decodes greedily, and several problems can share one batch for throughput.
 """
@@ -83,11 +84,9 @@ def load_problems(name: str, limit: int | None = None, ids: list[str] | None = N
         chosen = [(index, row) for index, row in chosen if f"{name}-{index}" in wanted]
     problems = []
     for index, row in chosen[:limit] if limit else chosen:
-        if "problem" in row:
-            prompt = MATH_PROMPT.format(question=row["problem"].strip())
-        else:
-            prompt = row["prompt"]
-        problems.append({"id": f"{name}-{index}", "prompt": prompt, "answer": str(row["answer"])})
+        question = row.get("problem", row.get("prompt"))
+        prompt = MATH_PROMPT.format(question=row["problem"].strip()) if "problem" in row else row["prompt"]
+        problems.append({"id": f"{name}-{index}", "prompt": prompt, "question": question, "answer": str(row["answer"])})
     return problems
 
 
@@ -104,6 +103,7 @@ def run_math(model, tokenizer, method: str, budget: int | None, method_options: 
     `problems[0]` in the whole problem list, for a run that continues one that answered the earlier problems.
     """
     from ...generation import generate
+    from ...prompts import math_prompt
 
     if problems_per_batch < 1:
         raise ValueError(f"problems_per_batch must be >= 1, got {problems_per_batch}")
@@ -114,7 +114,8 @@ def run_math(model, tokenizer, method: str, budget: int | None, method_options: 
     for first in range(0, len(problems), problems_per_batch):
         group = problems[first:first + problems_per_batch]
         result = generate(
-            model, tokenizer, [problem["prompt"] for problem in group for _ in range(samples)], method=method,
+            model, tokenizer, [math_prompt(tokenizer, problem["question"], problem["prompt"]) for problem in group
+                               for _ in range(samples)], method=method,
             budget=budget, max_new_tokens=max_new_tokens, seed=seed + first_index + first, chat=chat, divide_length=divide_length,
             engine=engine, **sampling, **method_options,
         )

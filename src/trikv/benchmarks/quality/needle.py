@@ -38,10 +38,13 @@ class NeedleItem:
     key_token: int  # index of the key's first token (inside the needle) in input_ids
 
 
-def make_item(tokenizer, length: int, depth: float, key: str, bos: bool = False) -> NeedleItem:
-    """An input of exactly `length` tokens: intro, filler with the needle at `depth`, question."""
+def make_item(tokenizer, length: int, depth: float, key: str) -> NeedleItem:
+    """An input of exactly `length` tokens: the model's leading special tokens (BOS where it takes one), intro,
+    filler with the needle at `depth`, question."""
+    from ...prompts import leading_ids
+
     encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
-    head = ([tokenizer.bos_token_id] if bos and tokenizer.bos_token_id is not None else []) + encode(INTRO)
+    head = leading_ids(tokenizer) + encode(INTRO)
     needle = encode(needle_text(key))
     question = encode(QUESTION)
     sentences = [s.strip() + "." for s in FILLER.split(".") if s.strip()]

@@ -64,16 +64,13 @@ def text_from_file(path: str | Path) -> FidelityText:
 
 
 def text_token_ids(text: FidelityText, tokenizer) -> list[int]:
-    """Token ids of a text as the benchmark feeds it: traces behind their chat prompt, real text as is."""
-    if text.kind == "trace" and text.prompt:
-        if getattr(tokenizer, "chat_template", None):
-            prompt = tokenizer.apply_chat_template(
-                [{"role": "user", "content": text.prompt}], add_generation_prompt=True, tokenize=True, return_dict=True
-            )["input_ids"]
-        else:  # a model without a chat template was prompted with the plain text, as `trikv.generate` does
-            prompt = tokenizer(text.prompt)["input_ids"]
-        return list(prompt) + tokenizer(text.text, add_special_tokens=False)["input_ids"]
-    return tokenizer(text.text, add_special_tokens=False)["input_ids"]
+    """Token ids of a text as the benchmark feeds it: traces behind their own prompt (the chat template of an instruct
+    model), real text from its start (after the model's BOS where it takes one)."""
+    from ...prompts import continuation_ids, document_ids, prompt_ids
+
+    if text.kind == "trace" and text.prompt:  # as `trikv.generate` prompted the model that wrote it
+        return prompt_ids(tokenizer, text.prompt) + continuation_ids(tokenizer, text.text)
+    return document_ids(tokenizer, text.text)
 
 
 # ---- building the shipped file ------------------------------------------------------------------------
