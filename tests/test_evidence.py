@@ -183,7 +183,7 @@ def _record(kl_rkv: float):
         return out
 
     return {"model": {"name": "tiny"}, "config": {"budgets": [128], "methods": ["full", "triattention", "rkv"]},
-            "results": {"fidelity": {"meta": {"texts": ["a"], "tokens_per_text": 100, "prompt_tokens": 8},
+            "results": {"fidelity": {"meta": {"texts": list("abcdefgh"), "tokens_per_text": 100, "prompt_tokens": 8},
                                      "methods": {"full": {"full": cell(0.0)}, "triattention": {"128": cell(0.05)},
                                                  "rkv": {"128": cell(0.05 + kl_rkv, kl_rkv)}}}}}
 
@@ -193,11 +193,101 @@ def test_opposite_data_give_opposite_sentences():
 
     worse = summary_lines([("run", _record(+0.02))])
     better = summary_lines([("run", _record(-0.02))])
-    assert len(worse) == len(better) == 1
+    assert len(worse) == len(better) == 2  # the run's line, then the count against chance
     assert "TriAttention leads `rkv` +0.0200" in worse[0] and "trails" not in worse[0]
     assert "TriAttention trails `rkv` -0.0200" in better[0] and "leads" not in better[0]
     tied = summary_lines([("run", _record(0.0))])
     assert "TriAttention ties `rkv`" in tied[0]
+
+
+def test_summary_counts_its_verdicts_and_draws_none_from_few_texts_or_an_invalid_trace_set():
+    from trikv.benchmarks.quality.report import MIN_VERDICT_UNITS, summary_lines
+
+    lines = summary_lines([("one", _record(+0.02)), ("two", _record(-0.02)), ("three", _record(0.0))])
+    assert lines[-1].startswith("In all: 3 comparisons, TriAttention leads 1, trails 1 and ties 1 at 95%")
+    assert "(0.2 of 3) would still show a lead or a trail by chance" in lines[-1]
+    few = _record(+0.02)
+    few["results"]["fidelity"]["meta"]["texts"] = ["a", "b", "c"]
+    assert summary_lines([("few", few)]) == [f"`few` (tiny), KL where compression acts: no verdict from 3 texts "
+                                              f"(at least {MIN_VERDICT_UNITS} needed)."]
+    loops = _record(+0.02)
+    figures = lambda valid: {"valid": valid, "attempts": 1}  # noqa: E731
+    loops["results"]["fidelity"]["meta"]["trace_validity"] = {f"t{i}": figures(i < 11) for i in range(16)}  # 11 / 16 < 75%
+    (line,) = summary_lines([("loops", loops)])
+    assert "left out of the summary, only 11 of its 16 traces pass the validity rule" in line
+    loops["results"]["fidelity"]["meta"]["trace_validity"] = {f"t{i}": figures(i < 12) for i in range(16)}
+    assert "TriAttention leads `rkv`" in summary_lines([("loops", loops)])[0]
+
+
+# ---- trace validity -----------------------------------------------------------------------------------------
+def _longest_repeat_slow(ids):
+    """Every pair of start positions, extended while equal (quadratic, independent of the suffix array)."""
+    best = 0
+    for i in range(len(ids)):
+        for j in range(i + 1, len(ids)):
+            k = 0
+            while j + k < len(ids) and ids[i + k] == ids[j + k]:
+                k += 1
+            best = max(best, k)
+    return best
+
+
+def test_longest_repeat_equals_a_pairwise_reference():
+    from trikv.benchmarks.quality.validity import longest_repeat
+
+    generator = np.random.default_rng(0)
+    for trial in range(40):
+        n = int(generator.integers(0, 60))
+        ids = generator.integers(0, 1 + trial % 5, n).tolist()  # small vocabularies repeat often
+        assert longest_repeat(ids) == _longest_repeat_slow(ids), ids
+    loop = [7, 8, 9] * 50  # a loop of period 3 repeats all but its first period
+    assert longest_repeat(loop) == len(loop) - 3
+
+
+def test_trace_validity_rule_separates_loops_from_reasoning():
+    from trikv.benchmarks.quality import validity
+
+    generator = np.random.default_rng(1)
+    words = ["step", "so", "the", "sum", "is", "we", "get", "x", "=", "2", "3", "then", "hence", "add", "both", "sides"]
+    prose = " ".join(str(generator.choice(words)) + str(generator.integers(0, 50)) for _ in range(700))
+    prose_ids = [hash(word) % 1000 for word in prose.split()]
+    sane = validity.trace_validity(prose, prose_ids, attempts=2, min_tokens=600)
+    assert sane.valid and sane.compression >= validity.MIN_COMPRESSION and sane.repeat_share <= validity.MAX_REPEAT_SHARE
+    loop_text = "The answer is \\boxed{}. " * 300
+    loop_ids = [1, 2, 3, 4, 5] * 300
+    looped = validity.trace_validity(loop_text, loop_ids, attempts=1)
+    assert not looped.valid and looped.compression < 0.05 and looped.repeat_share > 0.99
+    assert not validity.trace_validity(prose, prose_ids, attempts=2, min_tokens=2048).valid  # too short
+    assert validity.attempt_is_loop(loop_text[:200], loop_ids[:300], trace_tokens=2048)  # 295-token repeat > 10%
+    assert not validity.attempt_is_loop(prose, prose_ids, trace_tokens=2048)
+    assert validity.set_is_usable([sane] * 12 + [looped] * 4) and not validity.set_is_usable([sane] * 11 + [looped] * 5)
+
+
+def test_generation_stops_rows_the_halting_rule_flags():
+    """`halt_rows` ends a row at the check step as EOS would; the other rows go on, their tokens unchanged."""
+    model = tiny_model(seed=5)
+    tokenizer = _Tok()
+    prompts = [[5, 6, 7, 8], [9, 10, 11, 12]]
+    plain = trikv.generate(model, tokenizer, prompts, method="full", max_new_tokens=150, seed=0)
+    halted = trikv.generate(model, tokenizer, prompts, method="full", max_new_tokens=150, seed=0,
+                            halt_rows=lambda generated: [True, False])
+    assert halted.tokens[0] == plain.tokens[0][:64] and halted.tokens[1] == plain.tokens[1]
+
+
+def test_composition_and_recall_by_kind_carry_intervals():
+    table = {"rkv": {"128": {"kept_composition": {"prompt": 0.5, "age<128": 0.5},
+                             "kept_composition_per_text": {"prompt": [10.0, 30.0, 20.0], "age<128": [30.0, 10.0, 20.0]}}}}
+    intervals.add_composition_intervals(table)
+    low, high = table["rkv"]["128"]["composition_ci"]["prompt"]
+    assert low < 0.5 < high and 0.25 <= low and high <= 0.75  # each text's prompt share is 0.25, 0.75 or 0.5
+    rows = {"kept": np.ones((3, 1, 1)), "mass": np.ones((3, 1, 1)), "queries": np.ones(3),
+            "h_kept": np.ones((3, 1, 1, 1)), "h_mass": np.ones((3, 1, 1, 1)),
+            "k_kept": np.array([[[[0.2, 0.0, 0.0]]], [[[0.6, 0.0, 0.0]]], [[[0.4, 0.0, 0.0]]]]),
+            "k_mass": np.array([[[[1.0, 0.0, 0.0]]]] * 3)}
+    weights = np.array([[3, 0, 0], [0, 3, 0], [1, 1, 1]], dtype=np.float64)
+    samples = intervals.recall_resamples(rows, weights, ["0-128"])
+    assert samples["kind:prompt"].tolist() == pytest.approx([0.2, 0.6, 0.4])
+    assert np.isnan(samples["kind:repeated"]).all()
 
 
 def test_fidelity_page_counts_the_protected_prompts_per_budget():
@@ -360,3 +450,32 @@ def test_recall_with_attention_sinks_divides_by_the_keys_mass():
         mass += float(probs.sum())
     assert mass < len(reference.query_index) - 1  # the sink takes a real share
     assert result["recall_per_head"][layer][head] == pytest.approx(kept / mass, abs=1e-4)
+
+
+def test_dedup_history_is_computed_from_its_weight_sweep(tmp_path):
+    from trikv.benchmarks.quality.report import dedup_history_lines
+
+    lines = dedup_history_lines()
+    assert "tuned by `python scripts/tune_dedup_weight.py" in lines[0] and "R-KV's 0.0251" in lines[0]
+    assert "R-KV beat every weight tried: 0, 0.25, 0.5, 1, 2" in lines[0] and "rows 0-99 had been seen" in lines[1]
+    sweep = {"command": "c", "text": "t", "best": {"redundancy_weight": 1.0, "mean_kl": 0.01},
+             "rkv": {"mean_kl": 0.02}, "sweep": [{"redundancy_weight": 1.0, "mean_kl": 0.01}]}
+    (tmp_path / "sweep.json").write_text(json.dumps(sweep))
+    assert "beat every weight" not in dedup_history_lines(tmp_path / "sweep.json")[0]
+
+
+def test_scope_is_computed_from_the_runs_and_names_withdrawn_figures():
+    from trikv.benchmarks.quality.report import scope_lines
+
+    record = _record(0.0)
+    record["model"] = {"name": "gemma3-270m", "dtype": "torch.float32", "parameters": 268_000_000}
+    record["environment"] = {"device": "cpu", "threads": 2}
+    math_run = {"model": {"name": "qwen2.5-coder-1.5b", "dtype": "torch.bfloat16"}, "environment": {"device": "cpu", "threads": 2},
+                "config": {"budgets": [128, 256]}, "results": {"math": {"meta": {"max_new_tokens": 1024, "temperature": 0}}}}
+    lines = scope_lines([("a", record), ("b", math_run)])
+    assert lines[0].startswith("Models: `gemma3-270m` (268M parameters): Gemma-3-270M base model; `qwen2.5-coder-1.5b`")
+    assert "None is a reasoning-trained model" in lines[0]
+    assert lines[1] == "Hardware: cpu only (2 threads); dtypes bfloat16, float32."
+    assert "greedy, up to 1,024 new tokens, budgets 128, 256" in lines[2]
+    assert "bash scripts/bench_paper_setting.sh" in lines[3]
+    assert lines[4].startswith("Withdrawn (gemma3-270m): every Gemma-3 figure made before 2026-12-04")

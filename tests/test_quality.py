@@ -750,7 +750,7 @@ def test_math_run_reports_its_decoding(tokenizer, tmp_path):
     math["triattention-dedup"] = {"32": fake(ids[0])}
     against = text_tables(record).split("each TriAttention variant against each baseline")[1].splitlines()
     assert [line.split() for line in against if "triattention-dedup" in line] == [
-        ["32", "triattention-dedup", "streaming", "+0.0", "+1", "/", "-1", "1.00"]]
+        ["32", "triattention-dedup", "streaming", "+0.0", "[-100.0,", "+100.0]", "+1", "/", "-1", "1.00"]]
 
 
 def test_report_says_when_a_run_reused_units_of_earlier_invocations():

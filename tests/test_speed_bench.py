@@ -141,3 +141,29 @@ def test_speed_bench_runs_packed_layout_methods(tmp_path, monkeypatch):
     for method in ("adakv", "pyramidkv"):
         assert results[method]["round_steps"] >= 2 and results[method]["tokens_per_second"] > 0
         assert results[method]["kv_bytes_peak"] <= results["snapkv-decode"]["kv_bytes_peak"]
+
+
+@pytest.mark.real_model
+def test_seed_text_comes_from_the_shipped_texts_and_reaches_any_length(real_model):
+    """The speed benchmark's seed is the shipped English text through the model's tokenizer, repeated to the
+    length asked for (a missing text folder once made it loop forever on an empty encoding)."""
+    from trikv.analysis.texts import default_texts
+    from trikv.benchmarks.speed.filling import seed_text_ids
+
+    _, tokenizer = real_model
+    text_ids = tokenizer("\n\n".join(default_texts().values()), add_special_tokens=False)["input_ids"]
+    for length in (10, 3 * len(text_ids) + 7):
+        ids = seed_text_ids(tokenizer, tokenizer.vocab_size, length)
+        assert len(ids) == length and ids[: min(length, 500)] == text_ids[: min(length, 500)]
+    assert ids[len(text_ids) : len(text_ids) + 50] == text_ids[:50]  # the text starts again after itself
+
+
+def test_an_empty_seed_text_is_an_error_not_a_loop(monkeypatch):
+    from trikv.benchmarks.speed import filling
+
+    class Silent:
+        def __call__(self, text, add_special_tokens=True):
+            return {"input_ids": []}
+
+    with pytest.raises(ValueError, match="encode to no tokens"):
+        filling.seed_text_ids(Silent(), 100, 64)

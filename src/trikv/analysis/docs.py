@@ -11,6 +11,7 @@ import json
 import shutil
 from pathlib import Path
 
+from ..models import REGISTRY
 from .report import PAPER, _num, _pct, summary_lines, verdict
 
 NOTES = [
@@ -93,9 +94,11 @@ def write_docs(json_paths: list[str | Path], out: str | Path, title: str = "Q/K 
         target.mkdir(parents=True, exist_ok=True)
         v = result["verdict"]
         token_counts = ", ".join(f"{k} {t['tokens']} tokens" for k, t in meta["texts"].items())
+        entry = REGISTRY.get(name)
         lines += [
             f"## {name}",
             "",
+            *([f"Withdrawn: {entry.withdrawn}.", ""] if entry is not None and entry.withdrawn else []),
             f"{meta['model_type']}, {meta['num_layers']} layers x {meta['num_heads']} query heads ({meta['num_kv_heads']} KV heads), "
             f"head_dim {meta['head_dim']}; RoPE: "
             + "; ".join(f"{kind}: omega {info['omega_max']:.3g} .. {info['omega_min_nonzero']:.3g}" for kind, info in meta["rope"].items())

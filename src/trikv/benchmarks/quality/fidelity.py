@@ -155,11 +155,11 @@ def key_kinds(ids: torch.Tensor, prompt_length: int, ngram: int = REPEAT_NGRAM) 
 COMPOSITION = ("prompt", "repeated", "age<128", "age 128-1K", "age>=1K")
 
 
-def kept_composition(evict_time: torch.Tensor, round_times: list[int], kinds: torch.Tensor) -> dict[str, float]:
-    """Entries held right after each round, summed over rounds, layers, rows and KV heads, by what they are:
-    prompt, repeated text (see `key_kinds`), else by age (tokens between the key and the round)."""
+def kept_composition(evict_time: torch.Tensor, round_times: list[int], kinds: torch.Tensor) -> dict[str, list[float]]:
+    """Entries held right after each round, summed over rounds, layers and KV heads, per row (text), by what they
+    are: prompt, repeated text (see `key_kinds`), else by age (tokens between the key and the round)."""
     L, b, Hkv, T = evict_time.shape
-    counts = dict.fromkeys(COMPOSITION, 0.0)
+    counts = {name: torch.zeros(b, dtype=torch.float64) for name in COMPOSITION}
     keys_index = torch.arange(T)
     for time in round_times:
         held = (keys_index < time) & (evict_time > time)  # [L, b, Hkv, T]
@@ -171,8 +171,8 @@ def kept_composition(evict_time: torch.Tensor, round_times: list[int], kinds: to
         masks["age 128-1K"] = other & (age >= 128) & (age < 1024)
         masks["age>=1K"] = other & (age >= 1024)
         for name, mask in masks.items():
-            counts[name] += float((per_key * mask).sum())
-    return counts
+            counts[name] += (per_key * mask).sum(-1)
+    return {name: values.tolist() for name, values in counts.items()}
 
 
 class FidelityTask:
@@ -462,10 +462,15 @@ class FidelitySuite:
         metrics = accumulator.result()
         metrics.update(forwards=sum(log["forwards"] for log in logs), rounds=sum(log["rounds"] for log in logs),
                        peak_entries=max(log["peak_entries"] for log in logs), first_round=first_round)
-        counts = {name: sum(log.get("composition", {}).get(name, 0.0) for log in logs) for name in COMPOSITION}
-        total = sum(counts.values())
+        per_text = {name: [0.0] * self.rows for name in COMPOSITION}  # held entries of each kind, per text
+        for (rows, _), log in zip(self.batches, logs):
+            for name, values in log.get("composition", {}).items():
+                for row, value in zip(rows.tolist(), values):
+                    per_text[name][row] = value
+        total = sum(sum(values) for values in per_text.values())
         if total > 0:
-            metrics["kept_composition"] = {name: count / total for name, count in counts.items()}
+            metrics["kept_composition"] = {name: sum(values) / total for name, values in per_text.items()}
+            metrics["kept_composition_per_text"] = per_text
         return metrics, {"batches": logs}
 
     def full_fidelity(self) -> dict:

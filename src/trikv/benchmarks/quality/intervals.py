@@ -11,6 +11,7 @@ drawn from a fixed seed: the same data give the same intervals.
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 
@@ -100,6 +101,19 @@ def recall_resamples(rows: dict, weights: np.ndarray, labels: list[str]) -> dict
         valid = mass > 1e-9
         share = np.where(valid, kept_mass / np.where(valid, mass, 1.0), np.nan)
         out[label] = np.nanmean(share, axis=-1)  # a resample with no mass in the bucket gives NaN (left out)
+    if "k_mass" in rows:  # by key kind (prompt, repeated, other), as `fidelity.recall_summary` pools them
+        from .fidelity import KEY_KINDS
+
+        k_kept = np.asarray(rows["k_kept"], dtype=np.float64)
+        k_mass = np.asarray(rows["k_mass"], dtype=np.float64)
+        for i, kind in enumerate(KEY_KINDS):
+            mass = weights @ k_mass[..., i].reshape(b, -1)
+            kept_mass = weights @ k_kept[..., i].reshape(b, -1)
+            valid = mass > 1e-9
+            share = np.where(valid, kept_mass / np.where(valid, mass, 1.0), np.nan)
+            with warnings.catch_warnings():  # a kind absent from every head of a resample gives NaN (left out)
+                warnings.simplefilter("ignore", RuntimeWarning)
+                out[f"kind:{kind}"] = np.nanmean(share, axis=-1)
     return out
 
 
@@ -127,7 +141,9 @@ def add_recall_intervals(table: dict, rows_by_cell: dict, horizons, seed: int = 
             values = samples[(method, str(budget))]
             cell["ci"] = {"recall": percentile_interval(values["recall"]),
                           "by_horizon": {label: percentile_interval(values[label]) for label in labels
-                                         if label in cell.get("by_horizon", {})}}
+                                         if label in cell.get("by_horizon", {})},
+                          "by_kind": {kind: percentile_interval(values[f"kind:{kind}"]) for kind in cell.get("by_kind", {})
+                                      if f"kind:{kind}" in values}}
     for (method, budget), values in samples.items():
         reference = samples.get((REFERENCE_METHOD, budget))
         cell, reference_cell = table[method][budget], table.get(REFERENCE_METHOD, {}).get(budget)
@@ -141,6 +157,22 @@ def add_recall_intervals(table: dict, rows_by_cell: dict, horizons, seed: int = 
                                                          reference_cell["by_horizon"][label]["recall"],
                                                          values[label], reference[label])
         cell["vs_triattention"] = comparison
+
+
+# ---- what a method holds ----------------------------------------------------------------------------------
+def add_composition_intervals(table: dict, seed: int = 0, resamples: int = RESAMPLES) -> None:
+    """In place: `composition_ci` {kind: [low, high]} for every fidelity cell with per-text held-entry counts
+    (`kept_composition_per_text`): each kind's share of all held entries, pooled over resampled texts."""
+    for values in table.values():
+        for cell in values.values():
+            per_text = (cell or {}).get("kept_composition_per_text")
+            if not per_text:
+                continue
+            counts = {name: np.asarray(v, dtype=np.float64) for name, v in per_text.items()}
+            weights = resample_weights(len(next(iter(counts.values()))), resamples, seed)
+            totals = sum(weights @ v for v in counts.values())
+            with np.errstate(invalid="ignore", divide="ignore"):
+                cell["composition_ci"] = {name: percentile_interval(weights @ v / totals) for name, v in counts.items()}
 
 
 # ---- math accuracy ----------------------------------------------------------------------------------------
@@ -165,3 +197,12 @@ def add_math_intervals(table: dict, seed: int = 0, resamples: int = RESAMPLES) -
         weights = resample_weights(len(shared), resamples, seed)
         cell["vs_triattention"] = {"pass@1": paired(float(mine.mean()), float(theirs.mean()), weights @ mine / len(shared),
                                                     weights @ theirs / len(shared)), "problems": len(shared)}
+
+
+def paired_accuracy_interval(cell: dict, other: dict, seed: int = 0, resamples: int = RESAMPLES) -> list[float] | None:
+    """95% paired bootstrap interval of pass@1(cell) - pass@1(other) over the problems both answered."""
+    shared = [problem for problem in cell.get("by_problem", {}) if problem in other.get("by_problem", {})]
+    if not shared:
+        return None
+    differences = np.array([cell["by_problem"][p] - other["by_problem"][p] for p in shared], dtype=np.float64)
+    return percentile_interval(resample_weights(len(shared), resamples, seed) @ differences / len(shared))

@@ -99,8 +99,15 @@ def _text_note(record: dict) -> str:
     if meta.get("traces"):
         lengths = meta.get("prompt_lengths") or []
         prompts = f", prompts {min(lengths)}-{max(lengths)} tokens" if lengths else ""
-        return (f"{len(names)} {meta['traces']} reasoning traces of the model x {meta['trace_tokens']} tokens after each "
-                f"one's own chat prompt{prompts}")
+        validity = meta.get("trace_validity") or {}
+        valid = [name for name, figures in validity.items() if figures and figures["valid"]]
+        attempts = [figures["attempts"] for name, figures in validity.items() if name in names and figures]
+        glued = (f"; each trace is the model's sampled answers to one problem, {min(attempts)}-{max(attempts)} of them "
+                 "glued with a blank line until 2,048 tokens" if attempts else "")
+        fed = (f" (the {len(valid)} of {len(validity)} shipped that pass the validity rule)" if validity else
+               " (written before the validity rule: not assessed)")
+        return (f"{len(names)} {meta['traces']} reasoning traces of the model{fed} x {meta['trace_tokens']} tokens after "
+                f"each one's own prompt ({meta.get('trace_frame', 'chat template')}){prompts}{glued}")
     protected = "" if record["config"].get("protect_prompt", True) else " (not protected)"
     return (f"{len(names)} texts x {meta['tokens_per_text']} tokens ({', '.join(names)}), prompt {meta['prompt_tokens']} "
             f"tokens{protected}")
@@ -142,10 +149,16 @@ def _fidelity_sections(record: dict, markdown: bool) -> list[tuple[str, str]]:
             better = "higher" if key == "top1_agreement" else "lower"
             out.append((f"Fidelity where compression acts: {title}, each method minus triattention, paired over texts "
                         f"[95% interval] ({better} is better for the method)", render(headers, rows, markdown)))
-    headers, rows = _grid(record, table, lambda c: f"{_fmt(c['top1_agreement'])} / {_fmt(c['kl'], 4)} / "
-                                                   f"{_fmt(c.get('perplexity_ratio', c['perplexity'] / c['perplexity_full']))}")
+    def every_position(cell: dict) -> str:
+        intervals = cell.get("ci", {}).get("all", {})
+        ratio = cell.get("perplexity_ratio", cell["perplexity"] / cell["perplexity_full"])
+        return (f"{_interval(cell['top1_agreement'], intervals.get('top1_agreement'), 3)} / "
+                f"{_interval(cell['kl'], intervals.get('kl'), 4)} / {_interval(ratio, intervals.get('perplexity_ratio'), 3)}")
+
+    headers, rows = _grid(record, table, every_position)
     out.append((f"Fidelity over every position (also those before the first round, where every method equals full "
-                f"attention): top-1 / KL / perplexity ratio ({note})", render(headers, rows, markdown)))
+                f"attention): top-1 / KL / perplexity ratio [95% bootstrap interval over texts] ({note})",
+                render(headers, rows, markdown)))
     return out
 
 
@@ -212,11 +225,14 @@ def _recall_sections(record: dict, markdown: bool) -> list[tuple[str, str]]:
                 cell = _cell(table, method, budget)
                 if method == "full" or cell is None or not cell.get("by_kind"):
                     continue
-                rows.append([label_of(method)] + [_fmt(cell["by_kind"].get(k, {}).get("recall")) for k in kinds])
+                intervals = cell.get("ci", {}).get("by_kind", {})
+                rows.append([label_of(method)] + [_interval(cell["by_kind"].get(k, {}).get("recall"), intervals.get(k), 3)
+                                                  for k in kinds])
             shares = next((c["by_kind"] for m in methods if m != "full" for c in [_cell(table, m, budget)] if c and c.get("by_kind")), {})
             rows.append(["(share of mass)"] + [_fmt(shares.get(k, {}).get("mass_share")) for k in kinds])
-            out.append((f"Attention recall by key kind, budget {budget} (keys already judged by a round; prompt, repeated "
-                        "= part of an 8-token run the text already holds, other)", render(["method"] + kinds, rows, markdown)))
+            out.append((f"Attention recall by key kind, budget {budget} [95% bootstrap interval over texts] (keys already "
+                        "judged by a round; prompt, repeated = part of an 8-token run the text already holds, other)",
+                        render(["method"] + kinds, rows, markdown)))
     return out
 
 
@@ -230,11 +246,29 @@ def _composition_sections(record: dict, markdown: bool) -> list[tuple[str, str]]
         for method in _methods(record):
             cell = _cell(table, method, budget)
             if method != "full" and cell and cell.get("kept_composition"):
-                rows.append([method] + [_fmt(cell["kept_composition"][name]) for name in COMPOSITION])
+                intervals = cell.get("composition_ci", {})
+                rows.append([method] + [_interval(cell["kept_composition"][name], intervals.get(name), 3) for name in COMPOSITION])
         if rows:
             out.append((f"What each method holds right after a round, budget {budget} (share of the held entries, all "
-                        "rounds, layers and KV heads): prompt, repeated text, else by age", render(["method", *COMPOSITION], rows, markdown)))
+                        "rounds, layers and KV heads [95% bootstrap interval over texts]): prompt, repeated text, else by age",
+                        render(["method", *COMPOSITION], rows, markdown)))
     return out
+
+
+def _validity_sections(record: dict, markdown: bool) -> list[tuple[str, str]]:
+    from .validity import RULE_TEXT
+
+    meta = record["results"].get("fidelity", {}).get("meta", {})
+    validity = meta.get("trace_validity")
+    if not validity:
+        return []
+    rows = [[name, figures["tokens"], figures["attempts"], figures["rejected"], _fmt(figures["compression"]),
+             f"{100 * figures['repeat_share']:.1f}%", "yes" if figures["valid"] else "**no**",
+             "yes" if name in meta["texts"] else "no"]
+            for name, figures in validity.items() if figures]
+    return [(f"Reasoning traces: validity ({RULE_TEXT})",
+             render(["trace", "tokens", "answers glued", "rejected as loops", "zlib ratio", "longest repeat", "valid", "fed"],
+                    rows, markdown))]
 
 
 # ---- sections --------------------------------------------------------------------------------------------
@@ -243,7 +277,7 @@ def sections(record: dict, markdown: bool) -> list[tuple[str, str]]:
     results = record["results"]
     out = []
     if "fidelity" in results:
-        out += _fidelity_sections(record, markdown) + _composition_sections(record, markdown)
+        out += _validity_sections(record, markdown) + _fidelity_sections(record, markdown) + _composition_sections(record, markdown)
     if "recall" in results:
         out += _recall_sections(record, markdown)
     if "fidelity" in results and "recall" in results:
@@ -339,7 +373,8 @@ def sections(record: dict, markdown: bool) -> list[tuple[str, str]]:
             against = _math_variants_against_baselines(record, table)
             if against:
                 out.append((f"Math {dataset}: each TriAttention variant against each baseline on the same problems "
-                            "(points; +/-: problems only the variant / only the baseline solves; p: exact sign test)",
+                            "(points [95% paired bootstrap interval over problems]; +/-: problems only the variant / only "
+                            "the baseline solves; p: exact sign test)",
                             render(["budget", "variant", "baseline", "points", "+/-", "p"], against, markdown)))
     return out
 
@@ -400,8 +435,10 @@ def _math_paired(record: dict, table: dict) -> list[list]:
 
 
 def _math_variants_against_baselines(record: dict, table: dict) -> list[list]:
-    """Rows [budget, TriAttention variant, baseline, points, +/- problems, sign-test p]: every method of the
-    TriAttention family against every other compressed method, problem by problem."""
+    """Rows [budget, TriAttention variant, baseline, points [95% paired interval], +/- problems, sign-test p]: every
+    method of the TriAttention family against every other compressed method, problem by problem."""
+    from .intervals import paired_accuracy_interval
+
     methods = [m for m in _methods(record) if m != "full"]
     variants = [m for m in methods if m.startswith("triattention")]
     baselines = [m for m in methods if not m.startswith("triattention")]
@@ -414,8 +451,11 @@ def _math_variants_against_baselines(record: dict, table: dict) -> list[list]:
                 if cell is None or other is None or "by_problem" not in cell or "by_problem" not in other:
                     continue
                 gained, lost, better, worse = _paired(cell, other)
-                rows.append([budget, variant, baseline, f"{100 * (cell['pass@1'] - other['pass@1']):+.1f}",
-                             f"+{gained:g} / -{lost:g}", f"{sign_test(better, worse):.2f}"])
+                interval = paired_accuracy_interval(cell, other)
+                points = f"{100 * (cell['pass@1'] - other['pass@1']):+.1f}"
+                if interval and not math.isnan(interval[0]):
+                    points += f" [{100 * interval[0]:+.1f}, {100 * interval[1]:+.1f}]"
+                rows.append([budget, variant, baseline, points, f"+{gained:g} / -{lost:g}", f"{sign_test(better, worse):.2f}"])
     return rows
 
 
@@ -843,21 +883,59 @@ def _verdict(comparison: dict | None, higher_is_better: bool) -> str | None:
     return "trails" if method_better else "leads" if method_worse else "ties"
 
 
+MIN_VERDICT_UNITS = 8  # a percentile bootstrap over fewer texts or problems says little: no verdict from it
+
+
+def _units(record: dict, task: str, dataset: str | None) -> int:
+    """Texts (fidelity, recall) or problems (math) the run's paired intervals resample."""
+    results = record["results"]
+    if task == "math":
+        table = results["math"].get(dataset, {})
+        return max((cell.get("problems", 0) for values in table.values() for cell in values.values() if cell), default=0)
+    return len(results[task]["meta"].get("texts", []))
+
+
+def trace_set_left_out(record: dict) -> str | None:
+    """Why a run on reasoning traces stays out of the summary (its model wrote too few valid traces), or None."""
+    from .validity import MIN_VALID_SHARE
+
+    validity = record["results"].get("fidelity", {}).get("meta", {}).get("trace_validity")
+    if not validity:
+        return None
+    valid = sum(1 for figures in validity.values() if figures and figures["valid"])
+    if valid >= MIN_VALID_SHARE * len(validity):
+        return None
+    return (f"only {valid} of its {len(validity)} traces pass the validity rule (at least {MIN_VALID_SHARE:.0%} needed): "
+            "the model cannot write valid reasoning traces under the rule, so its figures are shown below but enter no verdict")
+
+
 def summary_lines(named_records: list[tuple[str, dict]]) -> list[str]:
     """The page's opening summary, computed from the paired intervals of every run: per run, budget and figure,
-    the methods TriAttention leads (the whole 95% interval of the difference favours it), trails and ties."""
+    the methods TriAttention leads (the whole 95% interval of the difference favours it), trails and ties. Runs on
+    a model's invalid trace set and comparisons over fewer than `MIN_VERDICT_UNITS` texts or problems give no
+    verdict; the last line counts the verdicts against what chance alone would give."""
     lines = []
+    counts = {"leads": 0, "trails": 0, "ties": 0}
     figures = (("fidelity", "KL where compression acts", lambda c: c.get("vs_triattention", {}).get("compressed", {}).get("kl"), False, 4, 1.0),
                ("recall", "attention recall", lambda c: (c.get("vs_triattention") or {}).get("recall"), True, 3, 1.0),
                ("math", "pass@1", lambda c: (c.get("vs_triattention") or {}).get("pass@1"), True, 1, 100.0))
     for name, record in named_records:
         results = record["results"]
+        left_out = trace_set_left_out(record)
+        if left_out:
+            lines.append(f"`{name}` ({record['model']['name']}): left out of the summary, {left_out}.")
+            continue
         for task, what, get, higher, digits, scale in figures:
             if task not in results:
                 continue
             tables = ([(None, results[task]["methods"])] if task != "math" else
                       [(dataset, results["math"][dataset]) for dataset in results["math"]["meta"]["datasets"] if dataset in results["math"]])
             for dataset, table in tables:
+                units = _units(record, task, dataset)
+                if units < MIN_VERDICT_UNITS:
+                    lines.append(f"`{name}` ({record['model']['name']}), {what}: no verdict from {units} "
+                                 f"{'problems' if task == 'math' else 'texts'} (at least {MIN_VERDICT_UNITS} needed).")
+                    continue
                 for budget in _budgets(record):
                     groups: dict[str, list[str]] = {"leads": [], "trails": [], "ties": []}
                     for method in _methods(record):
@@ -866,13 +944,79 @@ def summary_lines(named_records: list[tuple[str, dict]]) -> list[str]:
                         verdict = _verdict(comparison, higher)
                         if verdict:
                             groups[verdict].append(f"`{method}` {_difference(comparison, digits, scale)}")
+                            counts[verdict] += 1
                     if not any(groups.values()):
                         continue
                     where = f"{dataset} " if dataset else ""
                     parts = [f"{verdict} {', '.join(items)}" for verdict, items in groups.items() if items]
                     lines.append(f"`{name}` ({record['model']['name']}), B={budget}, {where}{what} (method minus "
                                  f"triattention [95% interval]): TriAttention " + "; ".join(parts) + ".")
+    total = sum(counts.values())
+    if total:
+        lines.append(f"In all: {total} comparisons, TriAttention leads {counts['leads']}, trails {counts['trails']} and ties "
+                     f"{counts['ties']} at 95%. Were every method equal to TriAttention, about 5% of the comparisons "
+                     f"({0.05 * total:.1f} of {total}) would still show a lead or a trail by chance; the comparisons share "
+                     "texts and problems, so they are not independent.")
     return lines
+
+
+def scope_lines(named_records: list[tuple[str, dict]]) -> list[str]:
+    """What the page's runs measured and what they did not, computed from the runs (models, devices, dtypes, tasks)."""
+    from ...models import REGISTRY
+
+    models = sorted({record["model"]["name"] for _, record in named_records})
+    described = []
+    for name in models:
+        entry = REGISTRY.get(name)
+        size = next((record["model"]["parameters"] for _, record in named_records
+                     if record["model"]["name"] == name and record["model"].get("parameters")), None)
+        described.append(f"`{name}`" + (f" ({size / 1e6:.0f}M parameters)" if size else "")
+                         + (f": {entry.description.split(' (')[0]}" if entry else ""))
+    devices = sorted({record["environment"]["device"] for _, record in named_records})
+    threads = sorted({record["environment"]["threads"] for _, record in named_records})
+    dtypes = sorted({record["model"].get("dtype", "torch.float32").removeprefix("torch.") for _, record in named_records})
+    tasks = sorted({task for _, record in named_records for task in record["results"]})
+    math_runs = [record for _, record in named_records if "math" in record["results"]]
+    free = ""
+    if math_runs:
+        budgets = sorted({int(b) for record in math_runs for b in record["config"]["budgets"]})
+        tokens = sorted({record["results"]["math"]["meta"]["max_new_tokens"] for record in math_runs})
+        greedy = all(record["results"]["math"]["meta"].get("temperature", 0.6) == 0 for record in math_runs)
+        free = (f"; only the math runs generate freely ({'greedy' if greedy else 'sampled'}, up to "
+                f"{', '.join(f'{t:,}' for t in tokens)} new tokens, budgets {', '.join(map(str, budgets))})")
+    lines = [f"Models: {'; '.join(described)}. None is a reasoning-trained model (the paper measures DeepSeek-R1 "
+             "distills and Qwen3 with thinking): their reasoning traces are instruct models' (a base model's) sampled "
+             "answers to math problems, far shorter and less structured than a reasoning model's 30K-token thoughts.",
+             f"Hardware: {', '.join(devices)} only ({'/'.join(map(str, threads))} threads); dtypes {', '.join(dtypes)}.",
+             f"Tasks: {', '.join(tasks)}. Fidelity and attention recall are teacher-forced: a fixed text (each model's "
+             f"own traces) is fed through every method's cache, so a method's mistakes do not compound as in free "
+             f"generation{free}."]
+    lines.append("Not run here: the paper's setting (a reasoning model, AIME 2024 + 2025, 8 samples per problem, up to "
+                 "32K new tokens, B = 2,048), which needs a GPU: `bash scripts/bench_paper_setting.sh [MODEL]` runs it "
+                 "(calibration text, statistics, the accuracy run and its page) as one resumable command.")
+    for name in models:
+        entry = REGISTRY.get(name)
+        if entry is not None and entry.withdrawn:
+            lines.append(f"Withdrawn ({name}): {entry.withdrawn}.")
+    return lines
+
+
+def dedup_history_lines(sweep_path: str | Path | None = None) -> list[str]:
+    """How `triattention-dedup` came about, computed from its shipped weight sweep (so the page cannot tell it
+    otherwise): what it was tuned on, what R-KV scored there, when it became the first registration's candidate."""
+    from importlib.resources import files
+
+    path = Path(sweep_path) if sweep_path else Path(str(files("trikv") / "data" / "calibration" / "triattention-dedup-weight.json"))
+    sweep = json.loads(path.read_text())
+    best, rkv = sweep["best"], sweep["rkv"]["mean_kl"]
+    beaten = all(rkv < entry["mean_kl"] for entry in sweep["sweep"])
+    weights = ", ".join(f"{entry['redundancy_weight']:g}" for entry in sweep["sweep"])
+    return [f"`triattention-dedup` is trikv's own variant, not a published method. Its redundancy weight "
+            f"{best['redundancy_weight']:g} was tuned by `{sweep['command']}` on {sweep['text']}: mean KL "
+            f"{best['mean_kl']:.4f} at the chosen weight against R-KV's {rkv:.4f} on the same text"
+            + (f" (R-KV beat every weight tried: {weights})" if beaten else "") + ".",
+            "It became the first registration's candidate after its results on MATH-500 rows 0-99 had been seen "
+            "(`docs/results-earlier.md`); the second registration tests TriAttention itself against R-KV."]
 
 
 def registered_tests(preregistration: dict) -> list[dict]:
@@ -1031,6 +1175,7 @@ def write_report(folders: list[str | Path], out: str | Path, title: str = "trikv
              f"problems; `{ORACLE_LABEL}` is the selection that keeps, at each of triattention's rounds, the keys all",
              "later queries attend most (in-sample, on triattention's schedule; not an upper bound at every horizon).",
              "Math runs name the decode engine that produced them.", ""]
+    lines += ["## Scope: what was and was not measured", ""] + [f"- {line}" for line in scope_lines(named)] + [""]
     if earlier:
         lines += [f"Runs made before these rules (a method's recent window counted against the prompt; no intervals) "
                   f"are in [{Path(earlier).name}]({Path(earlier).name}).", ""]
@@ -1040,6 +1185,8 @@ def write_report(folders: list[str | Path], out: str | Path, title: str = "trikv
                   "Computed from the paired intervals in the tables below: TriAttention *leads* a method when the whole",
                   "95% interval of (method minus triattention) favours TriAttention, *trails* when it favours the method,",
                   "*ties* otherwise.", ""] + [f"- {line}" for line in summary] + [""]
+    if any("triattention-dedup" in record["config"]["methods"] for _, record in named):
+        lines += ["## How `triattention-dedup` came about", ""] + [f"- {line}" for line in dedup_history_lines()] + [""]
     if preregistration:
         tests = registered_tests(json.loads(Path(preregistration).read_text()))
         for index, test in enumerate(tests):

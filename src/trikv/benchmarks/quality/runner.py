@@ -291,6 +291,7 @@ class QualityRun:
         self._stamp_math_caps()
         self.stats_path = None
         self.unit_seconds: dict[str, float] = {}
+        self.trace_validity: dict[str, dict | None] = {}  # every shipped trace of the split -> its validity figures
 
     def _check_config(self, fresh: bool) -> None:
         path = self.out / "config.json"
@@ -371,7 +372,11 @@ class QualityRun:
         from ...policies import REGISTRY
 
         if self.model is None:
+            from ...sanity import check_model_answers
+
             self.model, self.tokenizer = load_model(self.config.model, dtype=getattr(torch, self.config.dtype))
+            answer = check_model_answers(self.model, self.tokenizer, self.config.model)  # before measuring anything
+            self.log(f"{self.config.model} answers a known prompt sanely: {answer.continuation.strip()!r}")
         needs_stats = any(REGISTRY[m].needs_stats for m in self.config.methods)
         if needs_stats and self.stats is None:
             source = self.config.stats or self.config.model
@@ -478,7 +483,13 @@ class QualityRun:
         if missing:
             raise ValueError(f"unknown fidelity text(s) {missing}; shipped: {', '.join(shipped)}")
         texts = [shipped[name] for name in c.texts] + [text_from_file(path) for path in c.text_files]
-        traces = [trace.as_text() for trace in load_traces(c.model, c.traces)] if c.traces else []
+        shipped_traces = load_traces(c.model, c.traces) if c.traces else []
+        # only the traces that pass the validity rule are fed (all of them in files written before the rule)
+        self.trace_validity = {trace.name: trace.validity for trace in shipped_traces}
+        traces = [trace.as_text() for trace in shipped_traces if trace.valid or trace.validity is None]
+        if shipped_traces and not traces:
+            raise ValueError(f"none of {c.model}'s {c.traces} traces passes the validity rule; write them again "
+                             "(python -m trikv.benchmarks.quality.traces)")
         names = [text.name for text in texts + traces]
         if len(set(names)) != len(names):
             raise ValueError(f"two fidelity texts share a name ({', '.join(names)}); rename the file")
@@ -501,7 +512,8 @@ class QualityRun:
 
     def _run_fidelity(self) -> dict:
         from .fidelity import FidelitySuite
-        from .intervals import add_fidelity_intervals, add_recall_intervals
+        from ...prompts import is_instruct
+        from .intervals import add_composition_intervals, add_fidelity_intervals, add_recall_intervals
 
         c = self.config
         names, ids, prompts = self._fidelity_texts()
@@ -555,12 +567,16 @@ class QualityRun:
             if oracle is not None:
                 recall.setdefault("oracle", {})[str(budget)] = oracle
         add_fidelity_intervals(fidelity, seed=c.seed)
+        add_composition_intervals(fidelity, seed=c.seed)
         add_recall_intervals(recall, {(method, budget): self.units.get_tensor("recall-rows", method, budget)
                                       for method, budget in self.cells() + [("oracle", b) for b in c.budgets]},
                              horizons=c.horizons, seed=c.seed)
         meta = {"texts": names, "tokens_per_text": c.text_tokens, "prompt_tokens": c.prompt_tokens,
                 "prompt_lengths": prompts, "text_lengths": [len(tokens) for tokens in ids],
                 "traces": c.traces, "trace_tokens": c.trace_tokens if c.traces else None}
+        if c.traces:
+            meta["trace_validity"] = self.trace_validity
+            meta["trace_frame"] = "chat template" if is_instruct(self.tokenizer) else "plain completion prompt"
         if self.stats is not None:  # the statistics' query concentration (mean R over bands and heads) per layer
             meta["concentration_per_layer"] = [round(float(x), 5) for x in self.stats.head_concentration().mean(-1)]
         return {"fidelity": {"meta": meta, "methods": fidelity}, "recall": {"meta": meta | {"horizons": c.horizons, "query_stride": c.recall_stride}, "methods": recall}}
@@ -712,7 +728,8 @@ class QualityRun:
         from ... import __version__
 
         model_info = {"name": self.config.model, "sha256_parameters": model_fingerprint(self.model),
-                      "class": type(self.model).__name__, "dtype": str(next(self.model.parameters()).dtype)}
+                      "class": type(self.model).__name__, "dtype": str(next(self.model.parameters()).dtype),
+                      "parameters": sum(p.numel() for p in self.model.parameters())}
         stats_info = None
         if self.stats_path is not None and Path(self.stats_path).is_file():
             stats_info = {"path": str(self.stats_path), "sha256": file_sha256(self.stats_path)}

@@ -18,10 +18,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .texts import FidelityText
+from .validity import MAX_REPEAT_SHARE, RULE_TEXT, attempt_is_loop, longest_repeat, trace_validity
 
 TRACES_DIR = Path(__file__).resolve().parent / "data" / "traces"
 SPLITS = ("evaluation", "design")
@@ -46,22 +47,29 @@ COUNTS = {"smollm2-135m": {"evaluation": 16, "design": 0}, "qwen2.5-coder-0.5b":
 class Trace:
     name: str  # the problem id, e.g. "math500-400"
     split: str
-    prompt: str  # the user turn (the chat template is applied where it is fed)
+    prompt: str  # the user turn of an instruct model (the chat template is applied where it is fed), a base model's text
     text: str  # the model's answers, attempts separated by a blank line
     tokens: int  # tokens of `text` as the model wrote them
-    seeds: list[int]  # the sampling seed of each attempt
+    seeds: list[int]  # the sampling seed of each attempt kept
     source: str
+    rejected_seeds: list[int] = field(default_factory=list)  # attempts rejected as loops (`validity.attempt_is_loop`)
+    validity: dict | None = None  # `validity.Validity` figures of `text` (None in files written before the rule)
 
     def as_text(self) -> FidelityText:
         return FidelityText(self.name, "trace", self.text, prompt=self.prompt, source=self.source, seed=self.seeds[0])
+
+    @property
+    def valid(self) -> bool:
+        return bool(self.validity and self.validity["valid"])
 
 
 def trace_file(model: str) -> Path:
     return TRACES_DIR / f"{model}.jsonl"
 
 
-def load_traces(model: str, split: str) -> list[Trace]:
-    """The shipped traces of `model` in `split` (evaluation | design), in problem order."""
+def load_traces(model: str, split: str, valid_only: bool = False) -> list[Trace]:
+    """The shipped traces of `model` in `split` (evaluation | design), in problem order (`valid_only`: those that
+    pass the validity rule)."""
     if split not in SPLITS:
         raise ValueError(f"trace split must be one of {', '.join(SPLITS)}, got {split!r}")
     path = trace_file(model)
@@ -70,9 +78,13 @@ def load_traces(model: str, split: str) -> list[Trace]:
         raise FileNotFoundError(f"no reasoning traces ship for model {model!r} (traces ship for: {', '.join(shipped) or 'none'}); "
                                 "use --texts or --text-file, or write them with `python -m trikv.benchmarks.quality.traces`")
     rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    traces = [Trace(**{k: row[k] for k in Trace.__dataclass_fields__}) for row in rows if row["split"] == split]
+    traces = [Trace(**{k: row[k] for k in Trace.__dataclass_fields__ if k in row}) for row in rows if row["split"] == split]
     if not traces:
         raise ValueError(f"{path} holds no {split} traces")
+    if valid_only:
+        traces = [trace for trace in traces if trace.valid]
+        if not traces:
+            raise ValueError(f"none of {model}'s {split} traces passes the validity rule ({RULE_TEXT})")
     return traces
 
 
@@ -83,36 +95,51 @@ def problems_for(model: str, split: str) -> list[str]:
 
 def write_traces(model_name: str, split: str, seed: int = 0, dtype: str = "float32", engine: str = "lean",
                  batch: int = 16, min_tokens: int = MIN_TOKENS, command: str | None = None, log=print,
-                 extend: bool = False) -> list[Trace]:
+                 extend: bool = False, temperature: float = TEMPERATURE, top_p: float = TOP_P,
+                 top_k: int = 0, out: str | Path | None = None) -> list[Trace]:
     """Sample `split`'s traces of `model_name` with full attention and write them into its trace file (the other
     split's rows are kept). Attempt a (0-based) of every problem still short is sampled in one batch with seed
-    `seed + a`; an attempt may write up to the tokens its problem still lacks (+ 64). `extend` keeps the split's
-    shipped traces and continues the attempts of those still short of `min_tokens`."""
+    `seed + a`; an attempt may write up to the tokens its problem still lacks (+ 64). An attempt that loops
+    (`validity.attempt_is_loop`) is stopped as soon as it does and rejected. Each trace carries its validity
+    figures. `extend` keeps the split's shipped traces and continues the attempts of those still short of
+    `min_tokens`. `out`: the file to write (default: the shipped trace file of the model)."""
     import torch
 
     from ...generation import generate
     from ...models import load_model
+    from ...prompts import continuation_ids, is_instruct, math_prompt
     from .math_task import load_problems
 
     problem_ids = problems_for(model_name, split)
     if not problem_ids:
         raise ValueError(f"no {split} traces are planned for {model_name} (traces.COUNTS)")
+    from ...sanity import check_model_answers
+
     model, tokenizer = load_model(model_name, dtype=getattr(torch, dtype))
+    check_model_answers(model, tokenizer, model_name)
     by_dataset: dict[str, list[str]] = {}
     for problem_id in problem_ids:
         by_dataset.setdefault(problem_id.rpartition("-")[0], []).append(problem_id)
     prompts = {}
     for dataset, ids in by_dataset.items():
-        prompts |= {p["id"]: p["prompt"] for p in load_problems(dataset, ids=ids)}
+        prompts |= {p["id"]: math_prompt(tokenizer, p["question"], p["prompt"]) for p in load_problems(dataset, ids=ids)}
     pieces: dict[str, list[list[int]]] = {pid: [] for pid in problem_ids}
     seeds: dict[str, list[int]] = {pid: [] for pid in problem_ids}
+    rejected: dict[str, list[int]] = {pid: [] for pid in problem_ids}
     separator = tokenizer("\n\n", add_special_tokens=False)["input_ids"]
     first_attempt = 0
     if extend:  # the shipped attempts stand as they are (their text re-tokenised)
         for trace in load_traces(model_name, split):
-            pieces[trace.name] = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in [trace.text]]
+            pieces[trace.name] = [continuation_ids(tokenizer, trace.text)]
             seeds[trace.name] = list(trace.seeds)
-            first_attempt = max(first_attempt, len(trace.seeds))
+            rejected[trace.name] = list(trace.rejected_seeds)
+            first_attempt = max(first_attempt, len(trace.seeds) + len(trace.rejected_seeds))
+    eos = set([tokenizer.eos_token_id] if isinstance(tokenizer.eos_token_id, int) else tokenizer.eos_token_id or [])
+
+    def loops(generated: "torch.Tensor") -> list[bool]:  # [rows, steps]: stop an attempt once it is a loop
+        return [longest_repeat(row) > MAX_REPEAT_SHARE * min_tokens for row in generated.tolist()]
+
+    sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k}
     for attempt in range(first_attempt, MAX_ATTEMPTS):
         short = [pid for pid in problem_ids if _length(pieces[pid], separator) < min_tokens]
         if not short:
@@ -121,31 +148,65 @@ def write_traces(model_name: str, split: str, seed: int = 0, dtype: str = "float
             group = short[first:first + batch]
             missing = max(min_tokens - _length(pieces[pid], separator) for pid in group)
             result = generate(model, tokenizer, [prompts[pid] for pid in group], method="full", max_new_tokens=missing + 64,
-                              do_sample=True, temperature=TEMPERATURE, top_p=TOP_P, seed=seed + attempt, engine=engine)
-            eos = set([tokenizer.eos_token_id] if isinstance(tokenizer.eos_token_id, int) else tokenizer.eos_token_id or [])
+                              do_sample=True, seed=seed + attempt, engine=engine, halt_rows=loops, **sampling)
+            kept = 0
             for pid, tokens in zip(group, result.tokens):
                 tokens = [t for t in tokens if t not in eos]
-                if tokens:
-                    pieces[pid].append(tokens)
-                    seeds[pid].append(seed + attempt)
-            log(f"attempt {attempt}: {len(group)} problems, longest {max(len(t) for t in result.tokens)} tokens")
+                text = tokenizer.decode(tokens, skip_special_tokens=True)
+                if not tokens:
+                    continue
+                if attempt_is_loop(text, tokens, min_tokens):
+                    rejected[pid].append(seed + attempt)
+                    continue
+                pieces[pid].append(tokens)
+                seeds[pid].append(seed + attempt)
+                kept += 1
+            log(f"attempt {attempt}: {len(group)} problems, {kept} answers kept, {len(group) - kept} rejected or empty, "
+                f"longest {max(len(t) for t in result.tokens)} tokens")
     traces = []
+    frame = "chat template" if is_instruct(tokenizer) else "plain completion prompt (base model)"
     for pid in problem_ids:
         texts = [tokenizer.decode(tokens, skip_special_tokens=True).strip() for tokens in pieces[pid]]
         texts = [text for text in texts if text]
+        text = "\n\n".join(texts)
         length = _length(pieces[pid], separator)
+        validity = trace_validity(text, continuation_ids(tokenizer, text), attempts=len(texts), rejected=len(rejected[pid]),
+                                  min_tokens=min_tokens)
         traces.append(Trace(
-            name=pid, split=split, prompt=prompts[pid], text="\n\n".join(texts), tokens=length, seeds=seeds[pid],
-            source=(f"{model_name} ({dtype}, {engine} engine) with full attention on {pid}, chat template: "
-                    f"{len(seeds[pid])} sampled attempt(s), T {TEMPERATURE}, top-p {TOP_P}, seeds {seeds[pid]}"
+            name=pid, split=split, prompt=prompts[pid], text=text, tokens=length, seeds=seeds[pid],
+            source=(f"{model_name} ({dtype}, {engine} engine) with full attention on {pid}, {frame}: "
+                    f"{len(seeds[pid])} sampled attempt(s) kept, {len(rejected[pid])} rejected as loops, T {temperature}, "
+                    f"top-p {top_p}" + (f", top-k {top_k}" if top_k else "") + f", seeds {seeds[pid]}"
                     + (f"; command: {command}" if command else "")),
+            rejected_seeds=rejected[pid], validity=validity.as_dict(),
         ))
-    path = trace_file(model_name)
-    kept = []
+    path = Path(out) if out is not None else trace_file(model_name)
+    kept_rows = []
     if path.is_file():
-        kept = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip() and json.loads(line)["split"] != split]
+        kept_rows = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip() and json.loads(line)["split"] != split]
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(kept + [json.dumps(trace.__dict__, ensure_ascii=False) for trace in traces]) + "\n", encoding="utf-8")
+    path.write_text("\n".join(kept_rows + [json.dumps(trace.__dict__, ensure_ascii=False) for trace in traces]) + "\n", encoding="utf-8")
+    return traces
+
+
+def assess_traces(model_name: str, split: str) -> list[Trace]:
+    """Recompute the validity figures of `model_name`'s shipped `split` traces (tokens as its tokenizer reads them)
+    and write them into the trace file; the text is left as it is."""
+    from transformers import AutoTokenizer
+
+    from ...models import resolve_model_path
+    from ...prompts import continuation_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(model_name))
+    traces = load_traces(model_name, split)
+    for trace in traces:
+        trace.validity = trace_validity(trace.text, continuation_ids(tokenizer, trace.text), attempts=len(trace.seeds),
+                                        rejected=len(trace.rejected_seeds), min_tokens=MIN_TOKENS).as_dict()
+    path = trace_file(model_name)
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    updated = {trace.name: trace for trace in traces}
+    lines = [json.dumps(updated[row["name"]].__dict__ if row["split"] == split else row, ensure_ascii=False) for row in rows]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return traces
 
 
@@ -163,6 +224,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--engine", default="lean", choices=("lean", "transformers"),
                         help="decode loop (the lean engine runs full-attention models; hybrid ones need transformers)")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--temperature", type=float, default=TEMPERATURE, help="sampling temperature (default: the paper's 0.6)")
+    parser.add_argument("--top-p", type=float, default=TOP_P, help="nucleus sampling (default: the paper's 0.95)")
+    parser.add_argument("--top-k", type=int, default=0, help="top-k sampling (default 0: off)")
+    parser.add_argument("--ship", action="store_true",
+                        help="write into the trace file trikv ships (what `trikv bench quality --traces` reads)")
+    parser.add_argument("--out", help="trace file to write without --ship (default runs/traces/MODEL.jsonl)")
+    parser.add_argument("--assess", action="store_true",
+                        help="only recompute the validity figures of the shipped traces (no sampling)")
     parser.add_argument("--extend", action="store_true",
                         help="keep the split's shipped traces and continue the attempts of those short of 2,048 tokens")
     args = parser.parse_args(argv)
@@ -171,9 +240,22 @@ def main(argv: list[str] | None = None) -> None:
 
         torch.set_num_threads(args.threads)
     command = "python -m trikv.benchmarks.quality.traces " + " ".join(sys.argv[1:] if argv is None else argv)
-    for trace in write_traces(args.model, args.split, args.seed, args.dtype, engine=args.engine, batch=args.batch, command=command,
-                              extend=args.extend):
-        print(f"{trace.name}: {trace.tokens} tokens in {len(trace.seeds)} attempt(s)")
+    if args.ship and args.out:
+        parser.error("give either --ship or --out")
+    if args.assess and not args.ship:
+        parser.error("--assess rewrites the shipped trace file: add --ship")
+    out = None if args.ship else Path(args.out or Path("runs") / "traces" / f"{args.model}.jsonl")
+    traces = (assess_traces(args.model, args.split) if args.assess else
+              write_traces(args.model, args.split, args.seed, args.dtype, engine=args.engine, batch=args.batch, command=command,
+                           extend=args.extend, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, out=out))
+    for trace in traces:
+        figures = trace.validity
+        print(f"{trace.name}: {trace.tokens} tokens in {len(trace.seeds)} attempt(s) ({len(trace.rejected_seeds)} rejected); "
+              f"compression {figures['compression']:.3f}, longest repeat {figures['repeat_share']:.1%}: "
+              + ("valid" if figures["valid"] else "NOT valid"))
+    print(f"{sum(t.valid for t in traces)} of {len(traces)} valid ({RULE_TEXT})")
+    if out is not None:
+        print(f"wrote {out}; `trikv bench quality --traces` reads the shipped file: write it with --ship")
 
 
 if __name__ == "__main__":

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
-
 import torch
 
 from ...compat import cache_kwargs
@@ -23,14 +21,18 @@ class SeedKV:
 
 
 def seed_text_ids(tokenizer, vocab_size: int, length: int) -> list[int]:
-    """`length` token ids of a shipped English text (random ids when there is no tokenizer)."""
+    """`length` token ids of the English texts trikv ships (`trikv.analysis.texts.default_texts`), repeated as often
+    as needed; random ids when there is no tokenizer."""
     if tokenizer is not None:
-        text_dir = Path(__file__).resolve().parents[1] / "data" / "analysis_texts"
-        text = "\n\n".join(p.read_text(encoding="utf-8") for p in sorted(text_dir.glob("*.txt")))
-        ids = tokenizer(text)["input_ids"]
-        while len(ids) < length:
-            ids = ids + ids
-        return list(ids[:length])
+        from ...analysis.texts import default_texts
+
+        text = "\n\n".join(default_texts().values())
+        first = list(tokenizer(text)["input_ids"])  # with the model's BOS where it takes one
+        body = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        if not body:
+            raise ValueError("the shipped seed texts encode to no tokens with this tokenizer")
+        repeats = max(0, -(-(length - len(first)) // len(body)))
+        return (first + body * repeats)[:length]
     generator = torch.Generator().manual_seed(0)
     return torch.randint(1, vocab_size, (length,), generator=generator).tolist()
 
