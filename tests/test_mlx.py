@@ -46,7 +46,7 @@ from trikv.policies import ScoringContext, make_policy  # noqa: E402
 from trikv.selection import protected_entries, top_entries  # noqa: E402
 from trikv.settings import key_only_methods  # noqa: E402
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.mlx, pytest.mark.usefixtures("one_thread")]
 METHODS = key_only_methods()
 
 
@@ -401,3 +401,34 @@ def test_smollm2_greedy_through_mlx_lm_agrees_with_the_transformers_path(real_mo
         top2 = reference.logits[same][0].topk(2).values
         assert float(top2[0] - top2[1]) < 0.05, f"diverged at token {same} with a margin of {float(top2[0] - top2[1]):.3f}"
     print(f"SmolLM2 greedy, B=48: {same} of {len(want)} tokens agree")
+
+
+# ---- the speed benchmark's pieces and the CLI ---------------------------------------------------------------------
+def test_speed_rows_hold_one_round_in_their_window_and_the_bound_is_the_byte_ratio(tiny):
+    from mlx_lm.models.cache import make_prompt_cache as full_cache
+
+    from trikv.benchmarks.mlx import page, speed
+
+    _, mlx_model, _, stats_file = tiny
+    full = speed.measure(mlx_model, lambda: full_cache(mlx_model), "full", 200, steps=8, warmup=1)
+    bounded = speed.measure(mlx_model, lambda: trikv.mlx.make_prompt_cache(mlx_model, budget=32, divide_length=8, stats=stats_file),
+                            "trikv B=32", 200, steps=8, warmup=1)
+    assert full.rounds == 0 and full.entries == 200 + 9 and full.kv_bytes == 2 * 2 * 2 * 16 * 4 * (200 + 9)
+    assert bounded.rounds == 1 and bounded.entries == 32 and 0 < bounded.scoring_share < 1
+    assert bounded.kv_bytes == 2 * 2 * 2 * 16 * 4 * 32  # layers x (K, V) x KV heads x head_dim x fp32 x budget
+    per_token = page.kv_bytes_per_token(2, 2, 16, 4)
+    assert per_token == 512 and page.bound(1000, per_token, 200, None, 8) == 1000 + 512 * 200
+    assert page.bound(1000, per_token, 200, 32, 8) == 1000 + 512 * 36
+
+
+@pytest.mark.real_model
+def test_cli_generates_with_the_mlx_engine(capsys):
+    from trikv.cli import main
+
+    assert main(["generate", "--engine", "mlx", "--prompt", "Say hello.", "--max-new-tokens", "6", "--min-new-tokens", "6",
+                 "--budget", "40", "--divide-length", "8", "--kv-bits", "8", "--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["engine"] == "mlx" and record["budget"] == 40 and record["kv_bits"] == 8
+    assert record["texts"][0].strip() and 0 < record["peak_cache_bytes"]
+    with pytest.raises(SystemExit, match="method 'h2o' has no MLX cache"):
+        main(["generate", "--engine", "mlx", "--prompt", "hi", "--method", "h2o"])

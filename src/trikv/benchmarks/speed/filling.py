@@ -25,7 +25,7 @@ class SeedKV:
 def seed_text_ids(tokenizer, vocab_size: int, length: int) -> list[int]:
     """`length` token ids of a shipped English text (random ids when there is no tokenizer)."""
     if tokenizer is not None:
-        text_dir = Path(__file__).resolve().parents[1] / "data" / "analysis_texts"
+        text_dir = Path(__file__).resolve().parents[2] / "data" / "analysis_texts"
         text = "\n\n".join(p.read_text(encoding="utf-8") for p in sorted(text_dir.glob("*.txt")))
         ids = tokenizer(text)["input_ids"]
         while len(ids) < length:
