@@ -28,7 +28,6 @@ else:
     mx = pytest.importorskip("mlx.core")
     pytest.importorskip("mlx_lm")
 
-import mlx.nn as nn  # noqa: E402
 from mlx_lm.generate import generate_step  # noqa: E402
 from mlx_lm.models.cache import KVCache  # noqa: E402
 from mlx_lm.utils import load_model as mlx_load_model  # noqa: E402
@@ -41,7 +40,7 @@ from trikv.architectures import UnsupportedModelError, model_shape  # noqa: E402
 from trikv.calibration import StatsFileError  # noqa: E402
 from trikv.geometry import RopeGeometry  # noqa: E402
 from trikv.mlx.model import read_rope, rope_overrides  # noqa: E402
-from trikv.mlx.scoring import kept_indices, make_scorer  # noqa: E402
+from trikv.mlx.scoring import kept_indices  # noqa: E402
 from trikv.policies import ScoringContext, make_policy  # noqa: E402
 from trikv.selection import protected_entries, top_entries  # noqa: E402
 from trikv.settings import key_only_methods  # noqa: E402

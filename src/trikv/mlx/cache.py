@@ -208,6 +208,8 @@ class BoundedKV:
 
     def compress(self) -> None:
         """One round: every (layer, row, KV head) keeps its top `budget` entries, in original order."""
+        # MLX is lazy: the entries are the forward's pending work; compute them first, so the round's time is its own
+        mx.eval([part for buffer in self.keys + self.values for part in _parts(buffer)])
         started = time.perf_counter()
         b = self._rows()
         live = mx.full((b,), self.length, dtype=mx.int32)
