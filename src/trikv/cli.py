@@ -8,6 +8,8 @@ import sys
 import time
 from pathlib import Path
 
+from .settings import DEFAULT_BUDGET, DEFAULT_DIVIDE_LENGTH  # numbers only: imports nothing heavy
+
 
 def _add_calibrate(sub) -> None:
     p = sub.add_parser("calibrate", help="compute pre-RoPE query statistics of a model from a text file")
@@ -79,8 +81,10 @@ def _add_generate(sub) -> None:
     p.add_argument("--prompt", help="prompt text (or use --prompt-file)")
     p.add_argument("--prompt-file", help="file with one prompt, or a .jsonl of {'prompt': ...} rows for a batch")
     p.add_argument("--method", default="triattention", help="eviction method (`trikv methods` lists them)")
-    p.add_argument("--budget", type=int, default=None, help="KV entries per (layer, KV head) after a round (default 2048)")
-    p.add_argument("--divide-length", type=int, default=None, help="slack beta: compress at budget + beta (default 128)")
+    p.add_argument("--budget", type=int, default=None,
+                   help=f"KV entries per (layer, KV head) after a round (default {int(DEFAULT_BUDGET)})")
+    p.add_argument("--divide-length", type=int, default=None,
+                   help=f"slack beta: compress at budget + beta (default {int(DEFAULT_DIVIDE_LENGTH)})")
     p.add_argument("--stats", help="calibration statistics (default: the bundled stats of --model)")
     p.add_argument("--max-new-tokens", type=int, default=512)
     p.add_argument("--min-new-tokens", type=int, default=0)
@@ -91,8 +95,10 @@ def _add_generate(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     p.add_argument("--json", action="store_true", help="print a JSON record instead of text")
-    p.add_argument("--engine", default="transformers", choices=["transformers", "lean"],
-                   help="model forward: transformers (default) or trikv's lean decoder (same tokens, faster)")
+    p.add_argument("--engine", default="transformers", choices=["transformers", "lean", "mlx"],
+                   help="model forward: transformers (default), trikv's lean decoder (same tokens, faster) or mlx-lm "
+                        "with trikv's MLX cache (pip install 'trikv[mlx]')")
+    p.add_argument("--kv-bits", type=int, choices=[4, 8], help="--engine mlx: store the kept K/V quantised to 8 or 4 bits")
     p.set_defaults(func=cmd_generate)
 
 
@@ -149,6 +155,10 @@ def cmd_generate(args) -> int:
     if needs_stats and args.stats is None and args.model not in MODELS:
         sys.exit(f"trikv generate: method {args.method!r} needs calibration statistics and {args.model!r} has no "
                  "bundled ones: pass --stats FILE (make one with `trikv calibrate --model ... --text ... --out FILE`)")
+    if args.engine == "mlx":
+        return _generate_mlx(args, prompts, needs_stats)
+    if args.kv_bits is not None:
+        sys.exit("trikv generate: --kv-bits is for --engine mlx")
     model, tokenizer = load_model(args.model)
     options = {}
     if args.budget is not None:
@@ -181,24 +191,72 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def _import_mlx(command: str):
+    """trikv.mlx, or exit with how to install MLX."""
+    try:
+        import trikv.mlx as mlx_backend
+    except ImportError as error:
+        sys.exit(f"trikv {command}: --engine mlx needs MLX and mlx-lm ({error.name} is missing): pip install 'trikv[mlx]'")
+    return mlx_backend
+
+
+def _generate_mlx(args, prompts: list[str], needs_stats: bool) -> int:
+    mlx_backend = _import_mlx("generate")
+    from .mlx.generation import generate as mlx_generate
+
+    if args.method != "full" and args.method not in mlx_backend.methods():
+        sys.exit(f"trikv generate: method {args.method!r} has no MLX cache; --engine mlx runs full, "
+                 f"{', '.join(mlx_backend.methods())}")
+    model, tokenizer = mlx_backend.load(args.model)
+    options = {"budget": args.budget} if args.budget is not None else {}
+    if args.divide_length is not None:
+        options["divide_length"] = args.divide_length
+    if needs_stats:
+        options["stats"] = args.stats or args.model
+    result = mlx_generate(model, tokenizer, prompts, method=args.method, max_new_tokens=args.max_new_tokens,
+                          min_new_tokens=args.min_new_tokens, do_sample=args.sample, temperature=args.temperature,
+                          top_p=args.top_p, top_k=args.top_k, seed=args.seed, chat=not args.no_chat, kv_bits=args.kv_bits,
+                          progress=True, **options)
+    bounded = result.caches[0][0].bounded if args.method != "full" else None
+    record = {
+        "method": args.method, "engine": "mlx", "budget": getattr(bounded, "budget", None),
+        "divide_length": getattr(bounded, "divide_length", None), "kv_bits": args.kv_bits,
+        "peak_entries": result.peak_entries, "texts": result.texts,
+        "decode_tokens_per_second": result.decode_tokens_per_second, "peak_cache_bytes": result.peak_cache_bytes,
+        "final_cache_bytes": result.final_cache_bytes, "compression_rounds": result.compression_rounds,
+    }
+    if args.json:
+        print(json.dumps(record, indent=2))
+    else:
+        for text in result.texts:
+            print(text)
+            print()
+        print(f"[trikv] mlx {args.method}: {result.decode_tokens_per_second:.1f} tok/s, peak K/V "
+              f"{result.peak_cache_bytes / 2**20:.2f} MiB, {result.compression_rounds} compression rounds", file=sys.stderr)
+    return 0
+
+
 def _add_demo(sub) -> None:
     p = sub.add_parser("demo", help="full attention vs TriAttention on the bundled model, side by side")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--stats", help="statistics file (default: bundled)")
     p.add_argument("--budget", type=int, default=256)
-    p.add_argument("--divide-length", type=int, default=128)
+    p.add_argument("--divide-length", type=int, default=int(DEFAULT_DIVIDE_LENGTH))
     p.add_argument("--new-tokens", type=int, default=1500)
     p.add_argument("--compare-first", type=int, default=None, help="agreement is measured on the first N tokens (default: all)")
     p.add_argument("--prompt", help="override the default prompt")
-    p.add_argument("--engine", default="auto", choices=["auto", "lean", "transformers"],
-                   help="decode loop for both runs: trikv's lean engine, the transformers model forward, or auto (the "
-                        "lean engine where it runs the model, transformers for hybrid models; the default)")
+    p.add_argument("--engine", default="auto", choices=["auto", "lean", "transformers", "mlx"],
+                   help="decode loop for both runs: trikv's lean engine, the transformers model forward, mlx-lm with "
+                        "trikv's MLX cache (full attention: mlx-lm's KVCache), or auto (the lean engine where it runs "
+                        "the model, transformers for hybrid models; the default)")
     p.set_defaults(func=cmd_demo)
 
 
 def cmd_demo(args) -> int:
     from .demo import DEFAULT_PROMPT, run_demo
 
+    if args.engine == "mlx":
+        _import_mlx("demo")
     run_demo(args.model, args.stats, args.budget, args.divide_length, args.new_tokens, args.prompt or DEFAULT_PROMPT,
              args.compare_first, engine=args.engine)
     return 0

@@ -11,6 +11,7 @@ from .calibration import load_stats
 from .lean import LEAN_FAMILIES
 from .generation import GenerationResult, generate
 from .models import DEFAULT_MODEL, load_model
+from .settings import DEFAULT_DIVIDE_LENGTH
 
 DEFAULT_PROMPT = (
     "Solve step by step, explaining every step in detail, then check the answer: "
@@ -62,13 +63,15 @@ def run_demo(
     model_name: str = DEFAULT_MODEL,
     stats_path: str | None = None,
     budget: int = 256,
-    divide_length: int = 128,
+    divide_length: int = DEFAULT_DIVIDE_LENGTH,
     new_tokens: int = 1500,
     prompt: str = DEFAULT_PROMPT,
     compare_first: int | None = None,
     progress: bool = True,
     engine: str = "auto",
 ) -> str:
+    if engine == "mlx":
+        return run_demo_mlx(model_name, stats_path, budget, divide_length, new_tokens, prompt, compare_first, progress)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     print(f"[trikv demo] loading {model_name} ...", flush=True)
     model, tokenizer = load_model(model_name)
@@ -95,6 +98,33 @@ def run_demo(
     print()
     print(table)
     for label, result in (("full attention", full), ("TriAttention", tri)):
+        head = "\n    ".join(result.texts[0].strip().splitlines()[:6])
+        print(f"\n--- {label}, first lines ---\n    {head}")
+    return table
+
+
+def run_demo_mlx(model_name: str, stats_path: str | None, budget: int, divide_length: int, new_tokens: int, prompt: str,
+                 compare_first: int | None, progress: bool) -> str:
+    """The demo through mlx-lm: mlx-lm's full `KVCache` vs trikv's bounded MLX cache (TriAttention)."""
+    import trikv.mlx
+    from trikv.mlx.generation import generate as mlx_generate
+
+    print(f"[trikv demo] loading {model_name} with mlx-lm ...", flush=True)
+    model, tokenizer = trikv.mlx.load(model_name)
+    common = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, progress=progress)
+    started = time.perf_counter()
+    full = mlx_generate(model, tokenizer, prompt, method="full", **common)
+    full_wall = time.perf_counter() - started
+    started = time.perf_counter()
+    tri = mlx_generate(model, tokenizer, prompt, method="triattention", stats=stats_path or model_name, budget=budget,
+                       divide_length=divide_length, **common)
+    tri_wall = time.perf_counter() - started
+    table = comparison_table(full, tri, full_wall, tri_wall, budget, divide_length, compare_first or new_tokens)
+    print()
+    print(f"prompt ({full.prompt_lengths[0]} tokens): {prompt}")
+    print()
+    print(table)
+    for label, result in (("full attention (mlx-lm KVCache)", full), ("TriAttention (trikv MLX cache)", tri)):
         head = "\n    ".join(result.texts[0].strip().splitlines()[:6])
         print(f"\n--- {label}, first lines ---\n    {head}")
     return table

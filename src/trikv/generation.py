@@ -18,10 +18,11 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from .cache import DEFAULT_BUDGET, DEFAULT_DIVIDE_LENGTH, CompressedCache, make_cache
+from .cache import CompressedCache, make_cache
 from .compat import cache_kwargs
 from .heap import release_free_heap
 from .prompts import prompt_ids
+from .settings import DEFAULT_BUDGET, DEFAULT_DIVIDE_LENGTH
 from .validation import integer, positive, probability
 
 HEAP_RELEASE_STEPS = 32  # decode steps between handing freed heap pages back to the OS (trikv.heap)
@@ -93,6 +94,65 @@ def encode_prompts(tokenizer, prompts, chat: bool = True) -> dict:
     input_ids = torch.tensor([[pad] * (width - len(row)) + row for row in ids])
     attention_mask = torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in ids])
     return {"input_ids": input_ids, "attention_mask": attention_mask}
+
+
+class Sampler:
+    """The next token of every row from its logits, as `model.generate()` picks it: greedy (argmax), or sampled from
+    the softmax after transformers' warpers (temperature, then top-k, then top-p; one `torch.multinomial` draw).
+    End-of-sequence tokens are forbidden for the first `min_new_tokens` steps; finished rows get `pad_id`."""
+
+    def __init__(self, do_sample: bool, temperature: float, top_k: int, top_p: float, min_new_tokens: int,
+                 eos_ids: list[int], pad_id: int):
+        self.do_sample, self.min_new_tokens, self.eos_ids, self.pad_id = do_sample, min_new_tokens, eos_ids, pad_id
+        self.warpers = LogitsProcessorList()
+        if do_sample:
+            if temperature != 1.0:
+                self.warpers.append(TemperatureLogitsWarper(temperature))
+            if top_k:
+                self.warpers.append(TopKLogitsWarper(top_k))
+            if top_p < 1.0:
+                self.warpers.append(TopPLogitsWarper(top_p))
+
+    def __call__(self, logits: torch.Tensor, sequence: torch.Tensor, step: int, finished: torch.Tensor) -> torch.Tensor:
+        """logits [b, vocab] float32, sequence [b, t] (prompt + tokens so far) -> tokens [b]."""
+        scores = logits.clone()
+        if step < self.min_new_tokens and self.eos_ids:
+            scores[:, self.eos_ids] = float("-inf")
+        if self.do_sample:
+            scores = self.warpers(sequence, scores)
+            token = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+        else:
+            token = scores.argmax(-1)
+        return torch.where(finished, torch.full_like(token, self.pad_id), token)
+
+
+def model_forward(model, cache, lean=None):
+    """forward(input_ids [b, q], positions [b, q], attention_mask [b, t]) -> logits [b, vocab] float32 of the last
+    position: the lean engine's forward, or the model's own with the cache keyword the installed transformers takes.
+    All-ones masks are dropped, as `generate()` drops them."""
+
+    def forward(input_ids: torch.Tensor, positions: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        mask = None if bool(attention_mask.all()) else attention_mask
+        if lean is not None:
+            return lean.forward(input_ids, cache, position_ids=positions, attention_mask=mask)[:, -1, :].float()
+        out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, **cache_kwargs(model, cache), logits_to_keep=1)
+        return out.logits[:, -1, :].float()
+
+    return forward
+
+
+def prefill(forward, sampler: Sampler, input_ids: torch.Tensor, positions: torch.Tensor, attention_mask: torch.Tensor,
+            sequence: torch.Tensor, finished: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prompt's forward and the first token: (tokens [b], logits [b, vocab])."""
+    logits = forward(input_ids, positions, attention_mask)
+    return sampler(logits, sequence, 0, finished), logits
+
+
+def decode_one_token(forward, sampler: Sampler, token: torch.Tensor, positions: torch.Tensor, attention_mask: torch.Tensor,
+                     sequence: torch.Tensor, finished: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode step: the last tokens [b] at `positions` [b, 1] -> (next tokens [b], their logits [b, vocab])."""
+    logits = forward(token[:, None], positions, attention_mask)
+    return sampler(logits, sequence, step, finished), logits
 
 
 @torch.no_grad()
@@ -176,17 +236,11 @@ def generate(
             cache.reserve(input_ids.shape[1] + max_new_tokens, input_ids.shape[0], next(model.parameters()).dtype, device)
     if seed is not None:
         torch.manual_seed(seed)
-    warpers = LogitsProcessorList()
-    if do_sample:
-        if temperature != 1.0:
-            warpers.append(TemperatureLogitsWarper(temperature))
-        if top_k:
-            warpers.append(TopKLogitsWarper(top_k))
-        if top_p < 1.0:
-            warpers.append(TopPLogitsWarper(top_p))
     eos_ids = tokenizer.eos_token_id
     eos_ids = [] if eos_ids is None else ([eos_ids] if isinstance(eos_ids, int) else list(eos_ids))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos_ids[0] if eos_ids else 0)
+    sampler = Sampler(do_sample, temperature, top_k, top_p, min_new_tokens, eos_ids, pad_id)
+    forward = model_forward(model, cache, lean)
 
     rows = input_ids.shape[0]
     position_ids = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
@@ -197,28 +251,18 @@ def generate(
     step_seconds: list[float] = []
     all_logits: list[torch.Tensor] = []
     peak_bytes = peak_entries = 0
-    next_input, next_positions = input_ids, position_ids
+    positions = position_ids
     bar = tqdm(total=max_new_tokens, desc=f"generate[{method}]", unit="tok", disable=not progress)
     prefill_seconds = 0.0
+    token = None
     for step in range(max_new_tokens):
         started = time.perf_counter()
-        mask = None if bool(attention_mask.all()) else attention_mask  # as generate(): all-ones masks are dropped
-        if lean is not None:
-            logits = lean.forward(next_input, cache, position_ids=next_positions, attention_mask=mask)[:, -1, :].float()
+        if step == 0:
+            token, logits = prefill(forward, sampler, input_ids, positions, attention_mask, sequence, finished)
         else:
-            out = model(input_ids=next_input, attention_mask=mask, position_ids=next_positions, **cache_kwargs(model, cache), logits_to_keep=1)
-            logits = out.logits[:, -1, :].float()
+            token, logits = decode_one_token(forward, sampler, token, positions, attention_mask, sequence, finished, step)
         if return_logits:
             all_logits.append(logits.cpu())
-        scores = logits.clone()
-        if step < min_new_tokens and eos_ids:
-            scores[:, eos_ids] = float("-inf")
-        if do_sample:
-            scores = warpers(sequence, scores)
-            token = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
-        else:
-            token = scores.argmax(-1)
-        token = torch.where(finished, torch.full_like(token, pad_id), token)
         elapsed = time.perf_counter() - started
         if step == 0:
             prefill_seconds = elapsed
@@ -240,8 +284,7 @@ def generate(
         if bool(finished.all()):
             break
         attention_mask = torch.cat([attention_mask, attention_mask.new_ones(rows, 1)], dim=-1)
-        next_input = token[:, None]
-        next_positions = next_positions[:, -1:] + 1
+        positions = positions[:, -1:] + 1
     bar.close()
 
     tokens = torch.stack(generated, dim=1).tolist()

@@ -9,6 +9,8 @@ Rows share one physical length P (dead slots fill the gaps: left padding, rows c
 schedule keeps an `excess` = the slots by which P runs ahead of the earliest-due row's live count. Then
 "some row is due" is exactly `P - excess >= budget + divide_length`, checked per forward without a scan,
 and `budget + divide_length + excess` is the capacity the next round needs.
+
+The per-row state takes torch tensors or MLX arrays (`arrays.py`): the MLX cache runs this same schedule.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from .arrays import full_like, on_device_of, where
 
 
 @dataclass
@@ -53,13 +57,13 @@ class RoundSchedule:
 
     def rows_due(self, live: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[b] bool rows due now, and [b] each row's base, from the rows' live entries [b]."""
-        base = torch.full_like(live, self.budget) if self.base is None else self.base.to(live.device)
+        base = full_like(live, self.budget) if self.base is None else on_device_of(self.base, live)
         return live - base >= self.divide_length, base
 
     def after_round(self, due: torch.Tensor, base: torch.Tensor, live_after: torch.Tensor, new_length: int) -> None:
         """Record a round: due rows restart from their live entries after it; the excess follows the earliest
         next trigger."""
-        self.base = torch.where(due, live_after, base)
+        self.base = where(due, live_after, base)
         until_due = self.base + self.divide_length - live_after  # [b] tokens before each row is due
         self.excess = new_length + int(until_due.min()) - (self.budget + self.divide_length)
         self.aligned = bool((until_due == until_due[0]).all())

@@ -5,11 +5,16 @@ prompt + `min_decode_room` <= budget, whatever the method's recent window (past 
 for every method alike: the authors' code drops every generated token instead, which trikv does not copy).
 The method's recent window is protected too; while the prompt is protected, the window lives in what the prompt
 leaves (at most budget - prompt tokens), so protected entries never exceed the budget.
+
+`prompt_fits`, `protected_windows` and `protected_entries` take torch tensors or MLX arrays (`arrays.py`):
+the MLX cache applies the same rule to its own arrays. `top_entries` is the torch selection.
 """
 
 from __future__ import annotations
 
 import torch
+
+from .arrays import where
 
 
 def prompt_fits(prompt_lengths: torch.Tensor, budget: int, min_decode_room: int) -> torch.Tensor:
@@ -19,8 +24,8 @@ def prompt_fits(prompt_lengths: torch.Tensor, budget: int, min_decode_room: int)
 
 def protected_windows(prompt_lengths: torch.Tensor, prompt_kept: torch.Tensor, budget: int, recent_window: int) -> torch.Tensor:
     """[b] long: the recent tokens each row protects: the method's window, within what a protected prompt leaves."""
-    window = torch.full_like(prompt_lengths, recent_window)
-    return torch.where(prompt_kept, torch.minimum(window, budget - prompt_lengths), window)
+    left = budget - prompt_lengths  # [b] slots a protected prompt leaves
+    return where(prompt_kept & (left < recent_window), left, recent_window)
 
 
 def protected_entries(
@@ -33,13 +38,13 @@ def protected_entries(
     protect_prompt: bool = True,
 ) -> torch.Tensor:
     """[L, b, Hkv, N] bool: entries kept whatever their score (dead slots may be marked; callers mask them)."""
-    protected = torch.zeros_like(positions, dtype=torch.bool)
     prompt_kept = prompt_fits(prompt_lengths, budget, min_decode_room) & protect_prompt  # [b]
+    in_prompt = (positions >= 0) & (positions < prompt_lengths[None, :, None, None])
+    protected = in_prompt & prompt_kept[None, :, None, None]
     if recent_window > 0:
         window = protected_windows(prompt_lengths, prompt_kept, budget, recent_window)  # [b]
-        protected |= positions >= (current_position - window)[None, :, None, None]
-    in_prompt = (positions >= 0) & (positions < prompt_lengths[None, :, None, None])
-    return protected | (in_prompt & prompt_kept[None, :, None, None])
+        protected = protected | (positions >= (current_position - window)[None, :, None, None])
+    return protected
 
 
 def top_entries(scores: torch.Tensor, budget: int, counts: torch.Tensor | None = None) -> torch.Tensor:

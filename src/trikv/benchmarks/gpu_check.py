@@ -25,6 +25,7 @@ from ..architectures import config_shape
 from ..fast import accelerate
 from ..geometry import RopeGeometry
 from ..policies import make_policy
+from ..settings import DEFAULT_BUDGET, DEFAULT_DIVIDE_LENGTH
 from ..calibration import QueryStats
 from ..vllm.compactor import DEFAULT_ROUND_WORKSPACE_BYTES, CompactionOp, Compactor
 from ..vllm.pages import PageCodec
@@ -224,7 +225,7 @@ def main(argv: list[str] | None = None) -> dict:
                                       budget=32, divide_length=16)
     else:
         report["round"] = check_round(args.device, dtype, False, args.workspace, requests_due=64, long_prompt=32768,
-                                      budget=2048, divide_length=128)
+                                      budget=int(DEFAULT_BUDGET), divide_length=int(DEFAULT_DIVIDE_LENGTH))
     report["transformers"] = check_transformers(args.device, args.small)
     report["seconds"] = round(time.perf_counter() - started, 1)
     report["passed"] = (all(r["bitwise"] for r in report["page_codec"].values()) and report["round"]["within_cap"]

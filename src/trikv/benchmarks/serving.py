@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from . import register_bench
+from ..settings import DEFAULT_DIVIDE_LENGTH
 
 TARGET_RATIO = 2.5  # output tokens/s of B=512 over full attention at 32 concurrent 8K generations
 
@@ -36,7 +37,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--concurrency", default="32", help="comma-separated request slots (default 32)")
     parser.add_argument("--methods", default="full,triattention", help="comma-separated: full and methods vLLM runs")
     parser.add_argument("--budgets", default="512", help="comma-separated budgets for the bounded methods (default 512)")
-    parser.add_argument("--divide-length", type=int, default=128)
+    parser.add_argument("--divide-length", type=int, default=int(DEFAULT_DIVIDE_LENGTH))
     parser.add_argument("--block-size", type=int, default=32)
     parser.add_argument("--stagger", type=int,
                         help="bounded runs: the first prompts' lengths spread over this many tokens, so that their rounds do "

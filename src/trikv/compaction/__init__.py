@@ -10,7 +10,7 @@ Modules:
   segments   TAM's double-newline segmentation on token ids, short-segment merging, Eq. 6 allocation
   matching   the AM fit of biases (mass) and values (outputs) for many heads at once
   queries    reference queries: the selector window (TAM) or draws from calibrated statistics (hybrid)
-  timing     `python -m trikv.compaction.timing`: wall time of one compaction round on a 4K-token trace
+The wall time of one compaction round is a benchmark: `python -m trikv.benchmarks.compaction_timing`.
 """
 
 from .matching import MatchConfig, match_cache, match_heads

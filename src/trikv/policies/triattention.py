@@ -124,6 +124,9 @@ class TriAttention(Policy):
         nominated.scatter_(-1, by_row.topk(k, dim=-1).indices, True)
         combined = by_row.amax(1)  # [b, N]
         in_union = nominated.any(1) & torch.isfinite(combined)
-        # nominated tokens first (ranked by combined score), the rest fill in by combined score
-        ranking = torch.where(in_union, combined + 1e6, combined)
+        # nominated tokens first (ranked by combined score), the rest fill in by combined score: integer ranks, exact
+        # in float32 (an offset such as combined + 1e6 would round nearby scores into ties)
+        order = combined.argsort(-1, descending=True)
+        rank = torch.empty_like(order).scatter_(-1, order, torch.arange(N, device=order.device).expand_as(order))  # 0 = best
+        ranking = torch.where(in_union, 2 * N - rank, N - rank).float().masked_fill(~torch.isfinite(combined), float("-inf"))
         return ranking[None, :, None, :].expand(L, b, Hkv, N)

@@ -28,6 +28,7 @@ import shlex
 
 from . import frontend
 from .settings import CONFIG_KEY, REQUEST_BUDGET_KEY, BoundedKVSettings, RequestSettingsError, SettingsError, serving_methods
+from ..settings import DEFAULT_BUDGET, DEFAULT_DIVIDE_LENGTH, DEFAULT_METHOD, DEFAULT_MIN_DECODE_ROOM
 from .support import SUPPORTED_VLLM, UnsupportedEngineError, check_model, check_vllm_version
 
 frontend.register()  # the request checks, also where vLLM's plugin entry points are not loaded
@@ -37,12 +38,12 @@ WORKER_CLASS = "trikv.vllm.worker.TriKVWorker"
 
 
 def engine_args(
-    method: str = "triattention",
-    budget: int = 2048,
-    divide_length: int = 128,
+    method: str = DEFAULT_METHOD,
+    budget: int = int(DEFAULT_BUDGET),
+    divide_length: int = int(DEFAULT_DIVIDE_LENGTH),
     stats: str | None = None,
     protect_prompt: bool = True,
-    min_decode_room: int = 32,
+    min_decode_room: int = DEFAULT_MIN_DECODE_ROOM,
     model: str | None = None,
     **options,
 ) -> dict:

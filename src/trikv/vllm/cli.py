@@ -7,11 +7,15 @@ import os
 import shlex
 import sys
 
+from ..settings import DEFAULT_BUDGET, DEFAULT_DIVIDE_LENGTH, DEFAULT_METHOD
+
 
 def _add_settings(parser, default_model: str | None) -> None:
-    parser.add_argument("--method", default="triattention", help="eviction method (`trikv vllm-args --list` lists those vLLM runs)")
-    parser.add_argument("--budget", type=int, default=2048, help="KV entries per (layer, KV head) after a round (default 2048)")
-    parser.add_argument("--divide-length", type=int, default=128, help="slack beta: compact at budget + beta (default 128)")
+    parser.add_argument("--method", default=DEFAULT_METHOD, help="eviction method (`trikv vllm-args --list` lists those vLLM runs)")
+    parser.add_argument("--budget", type=int, default=int(DEFAULT_BUDGET),
+                        help=f"KV entries per (layer, KV head) after a round (default {int(DEFAULT_BUDGET)})")
+    parser.add_argument("--divide-length", type=int, default=int(DEFAULT_DIVIDE_LENGTH),
+                        help=f"slack beta: compact at budget + beta (default {int(DEFAULT_DIVIDE_LENGTH)})")
     parser.add_argument("--stats", help="statistics: bundled name or path (default: the bundled stats of --model)")
     parser.add_argument("--no-protect-prompt", action="store_true", help="let prompt tokens compete for the budget")
     parser.add_argument("--max-request-budget", type=int,

@@ -19,6 +19,7 @@ import torch
 
 from ..policies import Policy, ScoringContext
 from ..selection import prompt_fits, protected_entries
+from ..settings import DEFAULT_ROUND_WORKSPACE_BYTES
 from .pages import PageCodec
 
 log = logging.getLogger(__name__)
@@ -62,9 +63,6 @@ class RoundRecord:
     free_blocks: int
     held_blocks: int
     kept_positions: torch.Tensor | None = None  # [L, Hkv, budget] long
-
-
-DEFAULT_ROUND_WORKSPACE_BYTES = 256 * 2**20
 
 
 class Compactor:

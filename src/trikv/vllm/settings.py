@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
 
-from ..policies import REGISTRY, Policy, make_policy
+from ..policies import REGISTRY, Policy
+from ..settings import (DEFAULT_BUDGET, DEFAULT_DIVIDE_LENGTH, DEFAULT_METHOD, DEFAULT_MIN_DECODE_ROOM, DEFAULT_ROUND_WORKSPACE_BYTES,
+                        CacheSettings, check_recent_window, scores_keys_only)
 
 CONFIG_KEY = "trikv"
 # the per-request choice, in `SamplingParams.extra_args` (OpenAI API: `extra_body={"vllm_xargs": {...}}`)
@@ -30,19 +32,7 @@ def serving_methods() -> list[str]:
     rewritten values or per-head budgets), so a round needs nothing but the request's keys and positions, and
     they declare that a request's scores depend on that request alone (`scores_rows_independently`): a round
     scores every request due in the step together."""
-    return [name for name, entry in REGISTRY.items() if name != "full" and _query_free(entry.policy_class)]
-
-
-def _query_free(policy_class: type[Policy]) -> bool:
-    return (
-        policy_class.evicts
-        and getattr(policy_class, "query_window", 0) == 0
-        and not policy_class.observes
-        and not policy_class.compacts
-        and not policy_class.variable_budgets
-        and not policy_class.needs_tokens
-        and policy_class.scores_rows_independently
-    )
+    return [name for name, entry in REGISTRY.items() if name != "full" and scores_keys_only(entry.policy_class)]
 
 
 @dataclass
@@ -50,8 +40,9 @@ class BoundedKVSettings:
     """A bounded KV cache per request: when a request's KV reaches `budget + divide_length` entries, the top
     `budget` per (layer, KV head) under `method` are kept and the freed blocks return to vLLM's pool.
 
-    Defaults follow trikv's transformers caches: divide_length (beta) 128, prompt protected while it leaves
-    `min_decode_room` slots for generated tokens, the method's own recent window.
+    The cache settings (method, budget, divide_length, stats, prompt protection, options) are trikv's
+    `CacheSettings`, with its defaults (`trikv.settings`), validated through it (`cache_settings`); the rest are
+    serving limits.
 
     A request may choose its own budget with `extra_args["trikv_budget"]` (an integer, or "full" for full
     attention), within the server's limits: above the method's recent window, at most `max_request_budget`
@@ -59,17 +50,17 @@ class BoundedKVSettings:
     `allow_full_requests`.
     """
 
-    method: str = "triattention"
-    budget: int = 2048
-    divide_length: int = 128
+    method: str = DEFAULT_METHOD
+    budget: int = int(DEFAULT_BUDGET)
+    divide_length: int = int(DEFAULT_DIVIDE_LENGTH)
     stats: str | None = None  # bundled name or path of a `trikv calibrate` file (methods that need statistics)
     protect_prompt: bool = True
-    min_decode_room: int = 32
+    min_decode_room: int = DEFAULT_MIN_DECODE_ROOM
     options: dict = field(default_factory=dict)  # method options (e.g. {"recent_window": 8})
     allow_untested_platform: bool = False  # run on a vLLM platform other than CPU (tested here: CPU only)
     record_rounds: bool = False  # keep every round's kept positions (for tests: `LLM.collective_rpc("trikv_rounds")`)
     # cap on a round's transient memory per worker (see `Compactor.chunk_bytes` for what it counts)
-    round_workspace_bytes: int = 256 * 2**20
+    round_workspace_bytes: int = DEFAULT_ROUND_WORKSPACE_BYTES
     max_request_budget: int | None = None  # largest budget a request may ask for (None: `budget`)
     allow_full_requests: bool = False  # a request may ask for full attention ("full")
     # at most this many rounds start in one step (None: every due request); a request waits at most until its
@@ -99,38 +90,22 @@ class BoundedKVSettings:
         for name in ("protect_prompt", "allow_untested_platform", "record_rounds", "allow_full_requests"):
             if not isinstance(getattr(self, name), bool):
                 raise SettingsError(f"{name} must be true or false, got {getattr(self, name)!r}")
-        if not isinstance(self.options, dict):
-            raise SettingsError(f"options must be a dict of method options, got {self.options!r}")
-        if "stats" in self.options:
-            raise SettingsError("give the statistics as `stats`, not inside `options`")
-        if self.needs_stats and not self.stats:
-            raise SettingsError(
-                f"method {self.method!r} needs calibration statistics: set stats to a bundled name "
-                "(e.g. 'smollm2-135m') or the path of a `trikv calibrate` file"
-            )
-        if self.stats is not None and not self.needs_stats:
-            raise SettingsError(f"method {self.method!r} uses no statistics; remove stats={self.stats!r}")
-        policy = self.make_policy(stats=None)  # validates the options
-        self._recent_window = policy.recent_window
-        if policy.recent_window >= self.budget:
-            raise SettingsError(
-                f"budget {self.budget} is not larger than the protected recent window of {self.method} "
-                f"({policy.recent_window} tokens)"
-            )
-        if self.max_request_budget is not None and self.max_request_budget <= policy.recent_window:
-            raise SettingsError(f"max_request_budget {self.max_request_budget} is not larger than the protected recent "
-                                f"window of {self.method} ({policy.recent_window} tokens)")
+        try:  # the settings every backend shares: method options, statistics, budget vs recent window
+            self.cache_settings = CacheSettings(self.method, self.budget, self.divide_length, self.protect_prompt,
+                                                self.min_decode_room, self.stats, self.options)
+            self._recent_window = self.cache_settings.make_policy().recent_window
+            if self.max_request_budget is not None:
+                check_recent_window(self.method, self._recent_window, self.max_request_budget, "max_request_budget")
+        except ValueError as error:
+            raise SettingsError(str(error)) from None
 
     @property
     def needs_stats(self) -> bool:
         return REGISTRY[self.method].needs_stats
 
     def make_policy(self, stats=None) -> Policy:
-        options = dict(self.options)
-        if self.needs_stats and stats is not None:
-            options["stats"] = stats
         try:
-            return make_policy(self.method, **options)
+            return self.cache_settings.make_policy(stats if self.needs_stats else None)
         except (TypeError, ValueError) as error:
             raise SettingsError(str(error)) from None
 

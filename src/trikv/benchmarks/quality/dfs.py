@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ...settings import DEFAULT_DIVIDE_LENGTH
 from .feeding import Feeder
 
 
@@ -400,7 +401,7 @@ def score_generated(text: str, state: DfsState) -> dict:
 
 def run_generative(model, tokenizer, method: str, budget: int | None, method_options: dict, graphs: list[DfsGraph],
                    ks: list[int], tokens_per_step: int = 12, extra_tokens: int = 96, batch_size: int = 4,
-                   divide_length: int = 128) -> list[dict]:
+                   divide_length: int = DEFAULT_DIVIDE_LENGTH) -> list[dict]:
     from ...generation import generate
 
     items = []

@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 
 from .grader import extract_answer, math_equal
+from ...settings import DEFAULT_DIVIDE_LENGTH
 
 DATASETS_DIR = Path(__file__).resolve().parents[2] / "data" / "datasets"
 DATASETS = {"math500": "math500.jsonl", "aime24": "aime24.jsonl", "aime25": "aime25.jsonl"}
@@ -91,7 +92,7 @@ def load_problems(name: str, limit: int | None = None, ids: list[str] | None = N
 
 
 def run_math(model, tokenizer, method: str, budget: int | None, method_options: dict, problems: list[dict], samples: int,
-             max_new_tokens: int, seed: int, temperature: float = 0.6, top_p: float = 0.95, divide_length: int = 128,
+             max_new_tokens: int, seed: int, temperature: float = 0.6, top_p: float = 0.95, divide_length: int = DEFAULT_DIVIDE_LENGTH,
              chat: bool = True, timeout: float = 3.0, progress=None, engine: str = "transformers",
              problems_per_batch: int = 1, first_index: int = 0) -> list[dict]:
     """Answer each problem `samples` times and grade the answers.

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from ...selection import prompt_fits
+from ...settings import DEFAULT_DIVIDE_LENGTH, DEFAULT_MIN_DECODE_ROOM
 
 TASKS = ("fidelity", "dfs", "needle", "math")
 FORMAT = "trikv-bench-quality/1"
@@ -49,11 +50,11 @@ class QualityConfig:
     stats: str | None = None  # path; None = the bundled stats of `model`
     methods: list[str] = field(default_factory=lambda: ["full", "triattention", "snapkv", "streaming"])
     budgets: list[int] = field(default_factory=lambda: [64, 128, 256, 512])
-    divide_length: int = 128
+    divide_length: int = int(DEFAULT_DIVIDE_LENGTH)
     # the prompt's entries are never evicted (while they leave room); the needle task always lets them compete
     protect_prompt: bool = True
     # one rule for every method: the prompt is protected while prompt + min_decode_room <= budget
-    min_decode_room: int = 32
+    min_decode_room: int = DEFAULT_MIN_DECODE_ROOM
     seed: int = 0
     max_chunk: int = 128
     # fidelity + recall
@@ -107,7 +108,7 @@ class QualityConfig:
 
 
 ADDED_LATER = {"math_temperature": 0.6, "math_batch": 1, "dtype": "float32", "math_problems": None, "traces": None,
-               "trace_tokens": 2048, "min_decode_room": 32}
+               "trace_tokens": 2048, "min_decode_room": DEFAULT_MIN_DECODE_ROOM}
 # the prompt-protection rule the units of a folder were computed under: the same for every method (prompt +
 # min_decode_room <= budget); folders from before it (a method's recent window counted too) are refused
 PROTECTION_RULE = "equal"

@@ -9,6 +9,7 @@ import torch
 
 from .config import DEFAULT_BUDGETS, DEFAULT_CONTEXTS, SpeedConfig
 from .runner import _load, _load_stats, memory_run, run_speed
+from ...settings import DEFAULT_DIVIDE_LENGTH
 
 
 def _ints(text: str) -> list[int]:
@@ -29,7 +30,7 @@ def add_speed_arguments(parser) -> None:
     parser.add_argument("--engines", type=_names, default=["lean"], help="lean and/or transformers (default lean)")
     parser.add_argument("--steps", type=int, default=256, help="measured decode steps per configuration")
     parser.add_argument("--warmup", type=int, default=4, help="unmeasured steps first (the fill's last round runs here)")
-    parser.add_argument("--divide-length", type=int, default=128, help="slack beta")
+    parser.add_argument("--divide-length", type=int, default=int(DEFAULT_DIVIDE_LENGTH), help="slack beta")
     parser.add_argument("--seed-tokens", type=int, default=512, help="length of the real prefill that is tiled")
     parser.add_argument("--fill-chunk", type=int, default=1024, help="bounded caches are filled in chunks of this size")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")

@@ -6,6 +6,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from ...settings import DEFAULT_DIVIDE_LENGTH
+
 if TYPE_CHECKING:
     from .decode import RunResult
 
@@ -23,7 +25,7 @@ class SpeedConfig:
     engines: list[str] = field(default_factory=lambda: ["lean"])
     steps: int = 256
     warmup: int = 4
-    divide_length: int = 128
+    divide_length: int = int(DEFAULT_DIVIDE_LENGTH)
     seed_tokens: int = 512
     fill_chunk: int = 1024
     threads: int | None = None

@@ -1,4 +1,4 @@
-"""Time one compaction round on a long trace: `python -m trikv.compaction.timing [--tokens 4096] [--methods ...]`.
+"""Time one compaction round on a long trace: `python -m trikv.benchmarks.compaction_timing [--tokens 4096] [--methods ...]`.
 
 The paper's Table 2 setting: a ~4K-token reasoning trace is compacted once to a ratio (0.1) of its entries.
 Here the trace ("trace-60", a reasoning trace of the bundled model, from the quality benchmark's texts, or
@@ -19,7 +19,7 @@ from ..compat import cache_kwargs
 
 def time_round(model, tokenizer, method: str, tokens: int = 4096, ratio: float = 0.1, stats=None, threads: int | None = None,
                **options) -> dict:
-    from ..benchmarks.quality.texts import load_texts, text_token_ids
+    from .quality.texts import load_texts, text_token_ids
     from ..cache import make_cache
     from ..policies import REGISTRY
 
