@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from .settings import DEFAULT_BUDGET, DEFAULT_DIVIDE_LENGTH  # numbers only: imports nothing heavy
+from .threads import add_threads_argument, apply_threads
 
 
 def _add_calibrate(sub) -> None:
@@ -27,6 +28,7 @@ def _add_calibrate(sub) -> None:
                    help="model weights' dtype (the statistics are accumulated in float64 whatever it is)")
     p.add_argument("--skip-sanity-check", action="store_true",
                    help="calibrate even if the model does not answer a known prompt sanely (checked by default)")
+    add_threads_argument(p)
     p.set_defaults(func=cmd_calibrate)
 
 
@@ -40,6 +42,7 @@ def cmd_calibrate(args) -> int:
 
     integer("--max-tokens", args.max_tokens)
     integer("--chunk-tokens", args.chunk_tokens, minimum=2)
+    apply_threads(args.threads, args.device)
     text_path = Path(args.text)
     if not text_path.is_file():
         sys.exit(f"trikv calibrate: no such text file: {text_path}")
@@ -99,6 +102,7 @@ def _add_generate(sub) -> None:
                    help="model forward: transformers (default), trikv's lean decoder (same tokens, faster) or mlx-lm "
                         "with trikv's MLX cache (pip install 'trikv[mlx]')")
     p.add_argument("--kv-bits", type=int, choices=[4, 8], help="--engine mlx: store the kept K/V quantised to 8 or 4 bits")
+    add_threads_argument(p)
     p.set_defaults(func=cmd_generate)
 
 
@@ -138,6 +142,8 @@ def cmd_generate(args) -> int:
         prompts = read_prompt_file(Path(args.prompt_file))
     else:
         prompts = [args.prompt]
+    if args.engine != "mlx":
+        apply_threads(args.threads)
     if not all(prompt.strip() for prompt in prompts):
         sys.exit("trikv generate: the prompt is empty")
     if args.method not in REGISTRY:
@@ -249,6 +255,7 @@ def _add_demo(sub) -> None:
                    help="decode loop for both runs: trikv's lean engine, the transformers model forward, mlx-lm with "
                         "trikv's MLX cache (full attention: mlx-lm's KVCache), or auto (the lean engine where it runs "
                         "the model, transformers for hybrid models; the default)")
+    add_threads_argument(p)
     p.set_defaults(func=cmd_demo)
 
 
@@ -257,6 +264,8 @@ def cmd_demo(args) -> int:
 
     if args.engine == "mlx":
         _import_mlx("demo")
+    else:
+        apply_threads(args.threads)
     run_demo(args.model, args.stats, args.budget, args.divide_length, args.new_tokens, args.prompt or DEFAULT_PROMPT,
              args.compare_first, engine=args.engine)
     return 0

@@ -13,9 +13,11 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-import torch
+if TYPE_CHECKING:
+    import torch
+
 
 log = logging.getLogger(__name__)
 
@@ -152,6 +154,7 @@ def conversion_record(name: str) -> dict | None:
 
 def _convert_gguf(entry: BundledModel, target: Path) -> None:
     """Dequantise the GGUF once and store it as safetensors + tokenizer files."""
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf_path = entry.locate_gguf()
@@ -214,11 +217,13 @@ def resolve_model_path(name_or_path: str) -> str:
 
 def load_model(
     name_or_path: str = DEFAULT_MODEL,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | None = None,
     device: str | torch.device = "cpu",
     attn_implementation: str = "sdpa",
 ):
-    """Load `(model, tokenizer)` by bundled name, local path or hub id, in eval mode on `device`."""
+    """Load `(model, tokenizer)` by bundled name, local path or hub id, in eval mode on `device` (float32 unless
+    `dtype` says otherwise)."""
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .architectures import model_shape
@@ -226,7 +231,7 @@ def load_model(
     path = resolve_model_path(name_or_path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32, attn_implementation=attn_implementation)
     except OSError as error:  # a hub id that is not in the local cache and cannot be downloaded
         raise ValueError(
             f"cannot load model {name_or_path!r}: it is not a bundled name ({', '.join(sorted(REGISTRY))}) or a local "

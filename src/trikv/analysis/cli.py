@@ -6,7 +6,7 @@ import argparse
 import shlex
 import sys
 
-import torch
+from ..threads import add_threads_argument, apply_threads
 
 
 def add_analyze_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -24,13 +24,15 @@ def add_analyze_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="model dtype (default float32)")
     parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    add_threads_argument(parser)
     parser.add_argument("--skip-sanity-check", action="store_true",
                         help="analyse even if the model does not answer a known prompt sanely (checked by default)")
     return parser
 
 
-def load_for_analysis(name_or_path: str, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+def load_for_analysis(name_or_path: str, dtype: "torch.dtype | None" = None, device: str = "cpu"):
     """Like `trikv.load_model`, but accepts every family the analysis can read (e.g. Gemma3's sliding layers)."""
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from ..models import resolve_model_path
@@ -38,7 +40,7 @@ def load_for_analysis(name_or_path: str, dtype: torch.dtype = torch.float32, dev
 
     path = resolve_model_path(name_or_path)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32, attn_implementation="sdpa")
     model.to(device).eval()
     analysis_shape(model)
     model.trikv_name = name_or_path
@@ -53,6 +55,9 @@ def analyze_main(args: argparse.Namespace) -> int:
 
     try:
         texts = load_text_files(args.text) if args.text else default_texts()
+        import torch
+
+        apply_threads(args.threads, args.device)
         model, tokenizer = load_for_analysis(args.model, getattr(torch, args.dtype), args.device)
         if not args.skip_sanity_check:
             check_model_answers(model, tokenizer, args.model)

@@ -27,7 +27,7 @@ BENCH_COMMANDS: dict[str, BenchCommand] = {}
 # modules whose import registers bench subcommands; add yours here (one line)
 BENCH_MODULES = [
     "trikv.benchmarks.quality.cli",
-    "trikv.benchmarks.speed",
+    "trikv.benchmarks.speed.cli",
     "trikv.benchmarks.speed_report",
     "trikv.benchmarks.serving",
     "trikv.benchmarks.serving_report",

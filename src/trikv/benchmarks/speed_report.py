@@ -10,7 +10,6 @@ import json
 from pathlib import Path
 
 from .report_pages import embed_plot
-from .speed import format_table
 
 TARGET_EFFICIENCY = 0.75  # achieved speed-up / memory-bound speed-up at 16K and 32K
 TARGET_SCORING_SHARE = 0.05  # scoring + selection share of decode time at B = 2048
@@ -126,6 +125,8 @@ def write_speed_report(folders: list[str | Path], out: str | Path, title: str = 
                 lines += ["| target | measured | status |", "|---|---|---|"]
                 lines += [f"| {t} | {m} | {_status(ok)} |" for t, m, ok in rows]
                 lines.append("")
+            from .speed.report import format_table
+
             lines += ["```", format_table(record), "```", ""]
             png = folder / "speed.png"
         elif (folder / "memory.json").is_file():

@@ -104,24 +104,13 @@ def config_from_args(args):
     )
 
 
-def _busy() -> bool:
-    import os
-
-    try:
-        return os.getloadavg()[0] > max(1, (os.cpu_count() or 1) - 0.5)
-    except OSError:
-        return False
-
-
 def quality_main(args) -> int:
     import torch
 
+    from ...threads import apply_threads
     from .runner import run_quality
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    elif args.device == "cpu" and _busy():
-        torch.set_num_threads(1)  # oversubscribed cores: one thread avoids OpenMP spin-wait collapse
+    apply_threads(args.threads, args.device)
     config = config_from_args(args)
     model = tokenizer = None
     if args.device != "cpu":

@@ -28,14 +28,31 @@ full attention there is transformers' DynamicCache). llama.cpp (`llama-cpp-pytho
 bundled GGUF at the same context lengths with its full cache, batch 1, in the same run.
 """
 
-from .decode import DecodeRun, RunResult
-from .filling import Filler, SeedKV, fill_cache, make_seed, seed_text_ids
-from .machine import kv_bytes_per_token, measure_bandwidth, weight_bytes_per_step
-from .report import format_table, plot, write_outputs
-from .config import SpeedConfig
-from .runner import memory_run, run_speed
-from . import cli  # registers `trikv bench speed`
+from __future__ import annotations
 
-__all__ = ["DecodeRun", "RunResult", "Filler", "SeedKV", "fill_cache", "make_seed", "seed_text_ids",
-           "kv_bytes_per_token", "measure_bandwidth", "weight_bytes_per_step", "format_table", "plot", "write_outputs",
-           "SpeedConfig", "memory_run", "run_speed", "cli"]
+import importlib
+
+from . import cli  # registers `trikv bench speed` (light: the measuring modules load when a run starts)
+
+# public name -> the submodule defining it, imported on first use so that `trikv --help` stays fast
+_EXPORTS = {
+    "DecodeRun": "decode", "RunResult": "decode",
+    "Filler": "filling", "SeedKV": "filling", "fill_cache": "filling", "make_seed": "filling", "seed_text_ids": "filling",
+    "kv_bytes_per_token": "machine", "measure_bandwidth": "machine", "weight_bytes_per_step": "machine",
+    "format_table": "report", "plot": "report", "write_outputs": "report",
+    "SpeedConfig": "config", "memory_run": "runner", "run_speed": "runner",
+}
+__all__ = [*_EXPORTS, "cli"]
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        try:  # a submodule (`speed.peers`), as after an eager import
+            return importlib.import_module(f".{name}", __name__)
+        except ModuleNotFoundError as error:
+            if error.name != f"{__name__}.{name}":
+                raise
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    globals()[name] = value
+    return value

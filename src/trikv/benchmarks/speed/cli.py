@@ -5,10 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import torch
-
 from .config import DEFAULT_BUDGETS, DEFAULT_CONTEXTS, SpeedConfig
-from .runner import _load, _load_stats, memory_run, run_speed
 from ...settings import DEFAULT_DIVIDE_LENGTH
 
 
@@ -51,6 +48,10 @@ def add_speed_arguments(parser) -> None:
 
 
 def speed_main(args) -> int:
+    import torch
+
+    from .runner import _load, _load_stats, memory_run, run_speed
+
     config = SpeedConfig(
         model=args.model, contexts=args.contexts, methods=args.methods, budgets=args.budgets,
         batch_sizes=args.batch_sizes, engines=args.engines, steps=args.steps, warmup=args.warmup,
