@@ -1,74 +1,122 @@
 #!/usr/bin/env bash
-# The quality runs behind docs/results.md (resumable: rerun to continue), then the earlier runs behind
-# docs/results-earlier.md (made before the equal prompt-protection rule; kept for their commands).
-# Statistics: scripts/make_calibration_text.py --model M then `trikv calibrate` (shipped in src/trikv/data/stats).
-# Times are for 2 CPU cores, one job at a time, two threads.
+# The quality runs behind docs/results.md, step by step (each resumable: rerun a step to continue it), then the
+# earlier runs behind docs/results-earlier.md (made before the equal prompt-protection rule; kept for their commands).
+#
+# Usage:
+#   bash scripts/bench_bigger_models.sh [--ship] [STEP ...]      (no STEP: every step of docs/results.md, in order)
+#   bash scripts/bench_bigger_models.sh --help
+#
+# Steps: traces gemma3 heldout2 fidelity heldout1 design report analysis earlier
+#   traces    SmolLM2's and Qwen2.5-Coder-0.5B's evaluation traces written again under the validity rule (~1-2 h each)
+#   gemma3    Gemma-3-270M's calibration text, statistics and evaluation traces (BOS, plain completion prompts)
+#   heldout2  the second pre-registered test (docs/preregistration.json, heldout-2): B = 128 then 256 (~4 h each)
+#   fidelity  fidelity and recall on each model's valid evaluation traces, the whole field, B = 128 (~0.5-1.5 h each)
+#   heldout1  the first pre-registered test again (rows 300-399, B = 128, ~3 h), for its section and the pooled figure
+#   design    the diagnosis on the 1.5B's design traces (~25 min)
+#   report    docs/results.md from the run folders (results.json kept in docs/runs/ so the page can be rebuilt)
+#   analysis  Q/K concentration of every bundled model -> docs/analysis.md (~3 min)
+#   earlier   every run behind docs/results-earlier.md (many hours)
+# Steps `traces` and `gemma3` rewrite files trikv ships (src/trikv/data, src/trikv/benchmarks/quality/data): they
+# refuse to run without --ship. Times are for 2 CPU cores, one job at a time, two threads.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+SHIP=0
+STEPS=()
+for arg in "$@"; do
+  case "$arg" in
+    -h|--help) sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    --ship) SHIP=1 ;;
+    traces|gemma3|heldout2|fidelity|heldout1|design|report|analysis|earlier) STEPS+=("$arg") ;;
+    *) echo "bench_bigger_models.sh: unknown argument $arg (see --help)" >&2; exit 2 ;;
+  esac
+done
+[ ${#STEPS[@]} -gt 0 ] || STEPS=(traces gemma3 heldout2 fidelity heldout1 design report analysis)
 . .venv/bin/activate
+wants() { [[ " ${STEPS[*]} " == *" $1 "* ]]; }
+needs_ship() {
+  if [ "$SHIP" != 1 ]; then
+    echo "step $1 rewrites files trikv ships; run it with --ship" >&2
+    exit 2
+  fi
+}
+keep() {  # the run's results.json and plots beside the page, so docs/results.md can be rebuilt without runs/
+  mkdir -p "docs/runs/$(basename "$1")"
+  cp "$1/results.json" "$1"/*.png "docs/runs/$(basename "$1")/" 2>/dev/null || true
+}
 
 # ---- docs/results.md ------------------------------------------------------------------------------------------
-# 1. each model's own reasoning traces (shipped in src/trikv/benchmarks/quality/data/traces; ~20-60 min each)
-python -m trikv.benchmarks.quality.traces --model smollm2-135m --split evaluation --threads 2
-python -m trikv.benchmarks.quality.traces --model qwen2.5-coder-1.5b --split design --dtype bfloat16 --threads 2
-python -m trikv.benchmarks.quality.traces --model qwen2.5-coder-1.5b --split evaluation --dtype bfloat16 --threads 2
-python -m trikv.benchmarks.quality.traces --model qwen2.5-coder-0.5b --split evaluation --dtype bfloat16 --threads 2
-# Gemma-3-270M: its calibration text and statistics (global layers), then its traces (transformers engine: hybrid)
-TRIKV_THREADS=2 python scripts/make_calibration_text.py --model gemma3-270m --count 16 --engine transformers \
-  --out src/trikv/data/calibration/gemma3-270m-math500-traces.txt
-trikv calibrate --model gemma3-270m --text src/trikv/data/calibration/gemma3-270m-math500-traces.txt \
-  --out src/trikv/data/stats/gemma3-270m.safetensors
-python -m trikv.benchmarks.quality.traces --model gemma3-270m --split evaluation --engine transformers --threads 2
-# 2. the diagnosis on the 1.5B's design traces (why R-KV beats TriAttention on reasoning; chooses the candidate)
-trikv bench quality --task fidelity --model qwen2.5-coder-1.5b --traces design --budgets 128 \
-  --methods full,triattention,triattention-recent,triattention-dedup,triattention-dedup-only,triattention-shared-layers,rkv,rkv-importance-only,snapkv-decode \
-  --horizons 128,512,1024 --recall-stride 8 --dtype bfloat16 --threads 2 --no-progress --out runs/quality/qwen2.5-coder-1.5b-design
-# 3. the pre-registered held-out test (docs/preregistration.json): MATH-500 rows 300-399, B = 128, greedy, 1,024 tokens;
-# in chunks of 32 problems (the batches of one 100-problem run), the candidate and R-KV first; every finished chunk is
-# saved, so the run can be split over sittings (~10-12 min per method and chunk)
-candidate=$(python -c "import json; print(json.load(open('docs/preregistration.json'))['tests'][0]['candidate'])")
-for methods in "$candidate rkv" "full triattention snapkv"; do
-  for end in 332 364 396 400; do
-    for method in $methods; do
-      trikv bench quality --task math --model qwen2.5-coder-1.5b --budgets 128 --samples 1 --math-batch 32 --temperature 0 \
-        --max-new-tokens 1024 --problems "$(python -c "print(','.join(f'math500-{i}' for i in range(300, $end)))")" \
-        --dtype bfloat16 --threads 2 --no-progress --out runs/quality/qwen2.5-coder-1.5b-heldout --methods $method
-    done
-  done
-done
-# 3b. the second pre-registered test (docs/preregistration.json, heldout-2): MATH-500 rows 137-199 and 433-499, B = 128
-# (then 256), greedy, 1,024 tokens; TriAttention and R-KV first, in chunks of 32 problems (each finished chunk is saved)
-heldout2=$(python -c "print(','.join(f'math500-{i}' for i in [*range(137, 200), *range(433, 500)]))")
-for budget in 128 256; do
-  for methods in "triattention rkv" "full triattention-dedup snapkv"; do
-    for end in 32 64 96 128 130; do
-      for method in $methods; do
-        [ "$method" = full ] && [ "$budget" = 256 ] && continue  # full attention does not depend on the budget
-        trikv bench quality --task math --model qwen2.5-coder-1.5b --budgets $budget --samples 1 --math-batch 32 --temperature 0 \
-          --max-new-tokens 1024 --problems "$(echo "$heldout2" | cut -d, -f1-$end)" \
-          --dtype bfloat16 --threads 2 --no-progress --out runs/quality/qwen2.5-coder-1.5b-heldout2 --methods $method
+if wants traces; then
+  needs_ship traces
+  python -m trikv.benchmarks.quality.traces --model smollm2-135m --split evaluation --threads 2 --ship
+  python -m trikv.benchmarks.quality.traces --model qwen2.5-coder-0.5b --split evaluation --dtype bfloat16 --threads 2 --ship
+fi
+if wants gemma3; then
+  needs_ship gemma3
+  TRIKV_THREADS=2 python scripts/make_calibration_text.py --model gemma3-270m --count 16 --engine transformers --ship
+  trikv calibrate --model gemma3-270m --text src/trikv/data/calibration/gemma3-270m-math500-traces.txt \
+    --out src/trikv/data/stats/gemma3-270m.safetensors
+  python -m trikv.benchmarks.quality.traces --model gemma3-270m --split evaluation --engine transformers --threads 2 --ship
+fi
+if wants heldout2; then
+  heldout2=$(python -c "print(','.join(f'math500-{i}' for i in [*range(137, 200), *range(433, 500)]))")
+  for budget in 128 256; do
+    for methods in "triattention rkv" "full triattention-dedup snapkv"; do
+      for end in 32 64 96 128 130; do
+        for method in $methods; do
+          [ "$method" = full ] && [ "$budget" = 256 ] && continue  # full attention does not depend on the budget
+          trikv bench quality --task math --model qwen2.5-coder-1.5b --budgets $budget --samples 1 --math-batch 32 \
+            --temperature 0 --max-new-tokens 1024 --problems "$(echo "$heldout2" | cut -d, -f1-$end)" \
+            --dtype bfloat16 --threads 2 --no-progress --out runs/quality/qwen2.5-coder-1.5b-heldout2 --methods $method
+        done
       done
     done
   done
-done
-# 4. fidelity and recall on each model's evaluation traces, the whole field (~1-2 h each)
+  keep runs/quality/qwen2.5-coder-1.5b-heldout2
+fi
 field=full,triattention,triattention-shared-layers,triattention-window,triattention-recent,triattention-dedup,rkv,snapkv,snapkv-decode,h2o,streaming,tova,tam-shared
-traces=(--task fidelity --traces evaluation --horizons 128,512,1024 --recall-stride 8 --threads 2 --no-progress --methods $field)
-trikv bench quality "${traces[@]}" --model smollm2-135m --budgets 128,256 --out runs/quality/smollm2-135m-traces
-trikv bench quality "${traces[@]}" --model qwen2.5-coder-0.5b --budgets 128,256 --dtype bfloat16 --out runs/quality/qwen2.5-coder-0.5b-traces
-trikv bench quality "${traces[@]}" --model qwen2.5-coder-1.5b --budgets 128 --dtype bfloat16 --out runs/quality/qwen2.5-coder-1.5b-traces
-# Gemma-3-270M: ~4 min per method and budget (its 262K-token vocabulary makes each KL costly); the whole field at
-# B = 128 (the page's run); B = 256 was run for six methods only (full, triattention, rkv, snapkv, streaming, h2o)
-trikv bench quality "${traces[@]}" --model gemma3-270m --budgets 128 --out runs/quality/gemma3-270m-traces
-# the page (the evaluation traces first, then the held-out test and the diagnosis)
-trikv bench report runs/quality/qwen2.5-coder-1.5b-traces runs/quality/qwen2.5-coder-0.5b-traces runs/quality/smollm2-135m-traces \
-  runs/quality/gemma3-270m-traces runs/quality/qwen2.5-coder-1.5b-heldout runs/quality/qwen2.5-coder-1.5b-design \
-  --preregistration docs/preregistration.json --earlier docs/results-earlier.md --out docs/results.md
-# Q/K concentration of every bundled model (global vs sliding layers for Gemma-3; ~3 min in all)
-for model in smollm2-135m gemma3-270m qwen2.5-coder-0.5b qwen2.5-coder-1.5b; do
-  trikv analyze --model $model --out runs/analysis/$model --no-progress
-done
-python -m trikv.analysis.docs runs/analysis/*/analysis.json --out docs/analysis.md
+traces=(--task fidelity --traces evaluation --horizons 128,512,1024 --recall-stride 8 --threads 2 --no-progress --methods $field --budgets 128)
+if wants fidelity; then
+  trikv bench quality "${traces[@]}" --model qwen2.5-coder-1.5b --dtype bfloat16 --out runs/quality/qwen2.5-coder-1.5b-traces
+  trikv bench quality "${traces[@]}" --model smollm2-135m --out runs/quality/smollm2-135m-traces
+  trikv bench quality "${traces[@]}" --model gemma3-270m --out runs/quality/gemma3-270m-traces
+  trikv bench quality "${traces[@]}" --model qwen2.5-coder-0.5b --dtype bfloat16 --out runs/quality/qwen2.5-coder-0.5b-traces
+  for run in qwen2.5-coder-1.5b smollm2-135m gemma3-270m qwen2.5-coder-0.5b; do keep runs/quality/$run-traces; done
+fi
+if wants heldout1; then
+  candidate=$(python -c "import json; print(json.load(open('docs/preregistration.json'))['tests'][0]['candidate'])")
+  for methods in "$candidate rkv" "full triattention snapkv"; do
+    for end in 332 364 396 400; do
+      for method in $methods; do
+        trikv bench quality --task math --model qwen2.5-coder-1.5b --budgets 128 --samples 1 --math-batch 32 --temperature 0 \
+          --max-new-tokens 1024 --problems "$(python -c "print(','.join(f'math500-{i}' for i in range(300, $end)))")" \
+          --dtype bfloat16 --threads 2 --no-progress --out runs/quality/qwen2.5-coder-1.5b-heldout --methods $method
+      done
+    done
+  done
+  keep runs/quality/qwen2.5-coder-1.5b-heldout
+fi
+if wants design; then
+  trikv bench quality --task fidelity --model qwen2.5-coder-1.5b --traces design --budgets 128 \
+    --methods full,triattention,triattention-recent,triattention-dedup,triattention-dedup-only,triattention-shared-layers,rkv,rkv-importance-only,snapkv-decode \
+    --horizons 128,512,1024 --recall-stride 8 --dtype bfloat16 --threads 2 --no-progress --out runs/quality/qwen2.5-coder-1.5b-design
+  keep runs/quality/qwen2.5-coder-1.5b-design
+fi
+if wants report; then
+  # the kept copies stand in for run folders that are not on this machine
+  folders=()
+  for run in qwen2.5-coder-1.5b-traces qwen2.5-coder-0.5b-traces smollm2-135m-traces gemma3-270m-traces \
+             qwen2.5-coder-1.5b-heldout2 qwen2.5-coder-1.5b-heldout qwen2.5-coder-1.5b-design; do
+    if [ -f runs/quality/$run/results.json ]; then folders+=(runs/quality/$run); elif [ -f docs/runs/$run/results.json ]; then folders+=(docs/runs/$run); fi
+  done
+  trikv bench report "${folders[@]}" --preregistration docs/preregistration.json --earlier docs/results-earlier.md --out docs/results.md
+fi
+if wants analysis; then
+  for model in smollm2-135m gemma3-270m qwen2.5-coder-0.5b qwen2.5-coder-1.5b; do
+    trikv analyze --model $model --out runs/analysis/$model --no-progress
+  done
+  python -m trikv.analysis.docs runs/analysis/*/analysis.json --out docs/analysis.md
+fi
+wants earlier || exit 0
 
 # ---- docs/results-earlier.md (before the equal prompt-protection rule; the runs below would now refuse to resume
 # their folders and recompute under the current rule) ----------------------------------------------------------

