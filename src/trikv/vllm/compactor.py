@@ -225,10 +225,10 @@ class Compactor:
         host = torch.tensor(rows, dtype=torch.long)  # [R, 4 + widest]
         header = _upload(host, device)  # the round's one host-to-device copy
         cap = self.round_workspace_bytes - host.numel() * host.element_size()
-        plan = codecs[0].plan(kv_caches[0])
+        index_bytes = codecs[0].plan(kv_caches[0]).index_bytes_per_slot
         for blocks, budget, first, group in spans:
             chunk = self.plan(len(group), L, H, blocks * block_size, codecs[0].head_dim, kv_caches[0].element_size(),
-                              plan.index_bytes_per_slot, cap)
+                              index_bytes, cap)
             kept = [self.kept_positions.get(op.request_id) for op in group]
             kept = [k if k is not None else torch.empty(L, H, budget, dtype=torch.int32, device=device) for k in kept]
             for start in range(0, len(group), chunk.requests):
