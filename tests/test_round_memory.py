@@ -72,7 +72,8 @@ def run_round(policy, tiny, lengths, cap, protect_prompt=True):
 
 
 MIXES = {"1 due": [BUDGET + SLACK], "8 due": [BUDGET + SLACK] * 8, "32 due": [BUDGET + SLACK] * 32,
-         "a long prompt among short ones": [BUDGET + SLACK] * 6 + [1500]}
+         "a long prompt among short ones": [BUDGET + SLACK] * 6 + [1500],
+         "a long prompt split by KV head": [BUDGET + SLACK] * 2 + [3000]}
 
 
 @pytest.mark.parametrize("mix", sorted(MIXES))
@@ -87,6 +88,8 @@ def test_chunking_keeps_what_one_pass_keeps(tiny, method, mix):
     layers = len(capped[1])
     if mix != "1 due":
         assert capped[0].chunks > whole[0].chunks, "the cap did not split this round"
+    if mix == "a long prompt split by KV head":  # one layer of the 3,000-token prompt is over the cap
+        assert capped[0].plan(1, layers, 2, 3008, 16, 4, 16, cap).heads == 1
     for request in capped[0].kept_positions:
         assert torch.equal(capped[0].kept_positions[request], whole[0].kept_positions[request])
         table = torch.tensor([capped[3][request]])
@@ -114,8 +117,10 @@ def test_chunked_knorm_keeps_the_lowest_norm_keys(tiny):
                 assert torch.equal(got_values[0, head, :BUDGET], values[layer, expected, head])
 
 
-# one layer of the 1,500-token prompt needs ~0.7 MB: its cap lets one layer in, not all three
-CAPS = {"1 due": 96 * 1024, "8 due": 96 * 1024, "32 due": 96 * 1024, "a long prompt among short ones": 1024 * 1024}
+# one layer of the 1,500-token prompt needs ~0.7 MB: its cap lets one layer in, not all three; one layer of the
+# 3,000-token prompt needs ~1.4 MB: its cap lets one KV head in, not two
+CAPS = {"1 due": 96 * 1024, "8 due": 96 * 1024, "32 due": 96 * 1024, "a long prompt among short ones": 1024 * 1024,
+        "a long prompt split by KV head": 1024 * 1024}
 
 
 @pytest.mark.parametrize("mix", sorted(MIXES))
@@ -135,15 +140,114 @@ def test_a_round_stays_under_its_memory_cap(tiny, mix):
         assert cpu_transient_bytes(lambda: uncapped.run(rounds, caches, codecs, block_ids)) > cap
 
 
-def test_gpu_check_runs_at_toy_shapes_on_cpu(capsys):
-    """`scripts/gpu_check.sh` (here `--small --device cpu`): every layout bitwise, the round under its cap,
-    the transformers cache exact without eviction and the lean engine equal to it under eviction."""
-    from trikv.benchmarks.gpu_check import main
+def test_gpu_check_runs_at_toy_shapes_on_cpu(tmp_path):
+    """`scripts/gpu_check.sh` (here `--small --device cpu`): every layout bitwise, the rounds under their cap without
+    a host-device synchronisation, the transformers cache exact without eviction and the lean engine equal to it
+    under eviction; `--page` writes the round figures into a page's gpu-check block, leaving the rest alone."""
+    from trikv.benchmarks.gpu_check import PAGE_BEGIN, PAGE_END, main
 
-    report = main(["--device", "cpu", "--small", "--workspace", str(512 * 1024)])
+    page, again = tmp_path / "page.md", tmp_path / "again.md"
+    for path in (page, again):
+        path.write_text(f"# before\n\n{PAGE_BEGIN}\nold figures\n{PAGE_END}\n\nafter\n")
+    report = main(["--device", "cpu", "--small", "--workspace", str(512 * 1024), "--page", str(page),
+                   "--out", str(tmp_path / "report.json")])
     assert set(report["page_codec"]) == {"LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC"}
     assert all(r["bitwise"] and r["row_index"] for r in report["page_codec"].values())
-    assert report["round"]["within_cap"] and report["round"]["chunks"] > 1
+    assert set(report["rounds"]) == {"due-8", "first-600"}
+    for name, r in report["rounds"].items():
+        assert r["within_cap"] and r["transient_bytes"] <= r["round_workspace_bytes"], name
+        assert r["planned_peak_bytes"] <= r["round_workspace_bytes"] and r["chunks"] > 1, name
+        assert r["syncs_per_round"] == 0 and r["host_to_device_copies"] == 1 and r["seconds"] > 0, name
     assert report["transformers"]["no_eviction_equals_transformers"]
     assert report["transformers"]["lean_equals_transformers_under_eviction"]
     assert report["passed"]
+    text = page.read_text()
+    assert text.startswith("# before") and text.endswith("after\n") and "old figures" not in text
+    assert "scripts/gpu_check.sh --device cpu --small --workspace 524288" in text and "| 8 due at 48 entries |" in text
+    main(["--from-report", str(tmp_path / "report.json"), "--page", str(again)])  # the page again, from the saved report
+    assert again.read_text() == text
+
+
+# ---- 8B shapes: 32 layers, 8 KV heads, head_dim 128, bf16 (Llama-3-8B) --------------------------------------
+CAP = 256 * 2**20  # the default round_workspace_bytes
+ROUNDS_8B = {"64 due at 2,176": (64, 2176), "first round of 32K": (1, 32768), "first round of 64K": (1, 65536),
+             "first round of 128K": (1, 131072)}
+
+
+def _compactor_8b(cap: int = CAP):
+    from trikv.benchmarks.gpu_check import model_config, serving_policy
+
+    return Compactor(serving_policy(model_config(small=False)), True, 32, round_workspace_bytes=cap)
+
+
+@pytest.mark.parametrize("name", sorted(ROUNDS_8B))
+def test_rounds_at_8b_shapes_are_planned_under_the_cap(name):
+    """The planned peak of every round at 8B shapes (64 requests due at B + beta, first rounds of 32K, 64K and 128K
+    prompts) is under the default 256 MiB: requests, layers and, past one layer, KV heads per chunk. One layer of a
+    32K-token prompt alone plans ~297 MB (over the cap), so prompts that long are cut by KV head."""
+    due, entries = ROUNDS_8B[name]
+    compactor = _compactor_8b()
+    index_bytes = 16  # layout LBNHC: one int64 per (head, slot) row of keys and one of values
+    plan = compactor.plan(due, 32, 8, entries, 128, 2, index_bytes)
+    upload = due * (4 + entries // 16) * 8
+    print(f"{name}: chunk {plan.requests} x {plan.layers} x {plan.heads}, planned {plan.bytes + upload:,} bytes")
+    assert plan.bytes + upload <= CAP
+    if entries >= 32768:
+        assert compactor.chunk_bytes(1, 1, 8, entries, 128, 2, index_bytes) > CAP and plan.layers == 1 and plan.heads < 8
+    floor = compactor.floor_bytes(32, 8, entries, 128, 2, index_bytes)
+    assert floor == compactor.chunk_bytes(1, 1, 1, entries, 128, 2, index_bytes) <= CAP
+
+
+@pytest.mark.parametrize("entries", [32768, 65536, 131072])
+def test_first_rounds_at_8b_shapes_stay_under_the_cap_measured(entries):
+    """The first round of a long prompt at 8B shapes, run on CPU: its peak transient memory (CPU allocator records)
+    stays under the default 256 MiB, with the chunks the plan gives. One layer (the round's chunks are at most one
+    layer, so more layers only repeat them) over block tables that share 64 MiB of cache keeps the test small."""
+    from trikv.benchmarks.gpu_check import RoundCase, model_config, paged_round, serving_policy
+
+    config = model_config(small=False)
+    config.num_hidden_layers = 1
+    case = RoundCase("first", [entries], 2048, prompt_length=entries)
+    paged = paged_round(config, case, "cpu", torch.bfloat16, max_cache_bytes=64 * 2**20)
+    compactor = Compactor(serving_policy(config), True, 32, round_workspace_bytes=CAP)
+    transient = cpu_transient_bytes(lambda: compactor.run(paged.rounds, paged.caches, paged.codecs, paged.block_ids))
+    print(f"first round of {entries}: {transient:,} transient bytes in {compactor.chunks} chunks")
+    assert transient <= CAP
+    plan = compactor.plan(1, 1, 8, entries, 128, 2, 16)
+    assert compactor.chunks == -(-8 // plan.heads) and plan.heads < 8
+    kept = compactor.kept_positions["request-0"]
+    assert kept.dtype == torch.int32 and kept.shape == (1, 8, 2048)
+
+
+def test_a_workspace_below_the_rounds_floor_is_refused_at_start_up():
+    """The worker refuses, before serving, a round_workspace_bytes that one (layer, KV head) of a max_model_len-token
+    round would exceed, naming the size to set; at or above the floor it starts."""
+    from trikv.vllm.settings import SettingsError
+    from trikv.vllm.worker import check_round_floor
+
+    layout = layer_views(LAYOUTS["LBNHC"], 1, 2, 8, 16, 128, torch.bfloat16)
+    codec = PageCodec.learn(write, layout[0], 8, 16, 128)
+    compactor = _compactor_8b()
+    floor = compactor.floor_bytes(32, 8, 131072, 128, 2, 16)
+    check_round_floor(compactor, layout[0], codec, 32, 131072)  # 128K fits the default cap one KV head at a time
+    small = _compactor_8b(cap=floor - 1)
+    with pytest.raises(SettingsError, match=f"raise round_workspace_bytes to at least {floor:,}"):
+        check_round_floor(small, layout[0], codec, 32, 131072)
+    check_round_floor(_compactor_8b(cap=floor), layout[0], codec, 32, 131072)
+
+
+def test_the_kept_positions_of_running_requests_are_counted_in_the_reservation():
+    """What a compacted request keeps on the device between rounds is its kept positions, int32: 2 MiB per request at
+    8B shapes and B = 2048; the worker takes the workspace plus max_num_seqs of them off vLLM's KV pool."""
+    from types import SimpleNamespace
+
+    from trikv.benchmarks.gpu_check import model_config
+    from trikv.vllm.compactor import request_state_bytes
+    from trikv.vllm.settings import BoundedKVSettings
+    from trikv.vllm.worker import trikv_reserved_bytes
+
+    assert request_state_bytes(32, 8, 2048) == 2 * 2**20
+    settings = BoundedKVSettings(method="streaming", budget=2048, max_request_budget=4096)
+    vllm_config = SimpleNamespace(model_config=SimpleNamespace(hf_config=model_config(small=False)),
+                                  scheduler_config=SimpleNamespace(max_num_seqs=256))
+    assert trikv_reserved_bytes(settings, vllm_config, kv_heads=4) == CAP + 256 * request_state_bytes(32, 4, 4096)

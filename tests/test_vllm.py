@@ -118,14 +118,25 @@ def _trikv_settings(method="triattention", **extra):
 OWN_BUDGET = 48  # a request's own budget (extra_args), below the server's
 
 
+REFUSED_CHOICES = {"must be an integer number of KV entries": {"trikv_budget": True},
+                   "unknown trikv request setting(s) ['trikv_budgett']": {"trikv_budgett": 40},
+                   "outside this server's limits [16, 64]": {"trikv_budget": 8}}
+
+
 @scenario("fp32")
 def _fp32(request, prompts):
     """The prompts at the server's budget; then, in a second batch, the longest prompt twice: once with its own
-    budget, once with full attention (both chosen through `extra_args`)."""
+    budget, once with full attention (both chosen through `extra_args`); then malformed choices sent past trikv's
+    front-end checks beside a well-formed one, and a streaming-input session added to the engine directly (the
+    engine's own refusals). The probe records the runner's persistent buffers at every step with rounds."""
     own_choices = [{"trikv_budget": OWN_BUDGET}, {"trikv_budget": "full"}]
+    refused = list(REFUSED_CHOICES.values()) + [{"trikv_budget": 32}]
     return {"dtype": "float32", "trikv": _trikv_settings(allow_full_requests=True), "engine": {"num_gpu_blocks_override": POOL},
+            "probe": True,
             "batches": [{"prompts": prompts, "max_tokens": NEW_TOKENS},
-                        {"prompts": [prompts[2], prompts[2]], "max_tokens": 60, "extra_args": own_choices}]}
+                        {"prompts": [prompts[2], prompts[2]], "max_tokens": 60, "extra_args": own_choices},
+                        {"prompts": [prompts[1]] * len(refused), "max_tokens": 8, "extra_args": refused, "frontend_checks": False},
+                        {"prompts": [prompts[1]], "max_tokens": 8, "resumable": True}]}
 
 
 @pytest.fixture(scope="module")
@@ -222,6 +233,41 @@ def test_memory_after_each_round(fp32_run):
     first = [r for r in rounds if r["length"] > BUDGET + SLACK]
     assert first, "no request had a prompt longer than budget + slack"
     assert all(r["freed_blocks"] >= 2 for r in first)
+
+
+@pytest.mark.engines("fp32")
+def test_compaction_steps_leave_graph_safe_buffers(fp32_run):
+    """At every step that ran rounds, the buffers a CUDA graph reads (vLLM's persistent block table and slot mapping,
+    the very ones handed to attention) hold the compacted state: each compacted request's row lists exactly its
+    blocks, is zero where its given-back blocks were (no stale id), on the host and in the device copy, and each new
+    token's slot is the physical slot of its position less the offset. (The compacted sequence lengths are in
+    per-step metadata, which only eager attention reads: FULL graph modes are refused, see
+    test_vllm_cuda_contracts.py.)"""
+    steps = fp32_run["probe"][0]
+    checked = [request for step in steps for request in step["requests"]]
+    assert len(steps) >= 3 and checked, "no step with rounds was probed"
+    assert any(request["offset"] > 0 for request in checked)
+    for request in checked:
+        assert request["lists_its_blocks"] and request["device_copy_committed"], request
+        assert request["stale_ids_cleared"], request
+        assert request["slots_physical"], request
+    assert all(step["metadata"] == {"slot_mapping_is_buffer": True, "block_table_is_buffer": True} for step in steps)
+
+
+@pytest.mark.engines("fp32")
+def test_the_engine_refuses_what_skips_the_front_end(fp32_run):
+    """`LLM.generate` without trikv's front-end checks (as from a front end without its plugin): a boolean budget, a
+    misspelt trikv key and a budget under the minimum each finish at once with finish_reason "error" and the reason as
+    stop_reason, without a token; the well-formed request beside them is served; a streaming-input session added
+    straight to the engine is refused the same way. The engine keeps serving (the batches after ran)."""
+    *refused, served = fp32_run["batches"][2]["requests"]
+    for request, reason in zip(refused, REFUSED_CHOICES):
+        assert request["finish_reason"] == "error" and request["tokens"] == [], request
+        assert request["stop_reason"].startswith("trikv: ") and reason in request["stop_reason"], request
+    assert served["finish_reason"] == "length" and len(served["tokens"]) == 8
+    (stream,) = fp32_run["batches"][3]["requests"]
+    assert stream["finish_reason"] == "error" and "streaming-input sessions are not supported" in stream["stop_reason"]
+    assert not [r for r in fp32_run["rounds"][0] if r["request_id"].split("-")[0] in {x["request_id"] for x in refused}]
 
 
 @scenario("plain")
@@ -695,10 +741,17 @@ def test_http_server_streams_a_chat_completion_with_the_bounded_cache(tmp_path):
         answer = client.chat.completions.create(**chat, extra_body={"min_tokens": 100, "vllm_xargs": {"trikv_budget": 40}})
         assert answer.usage.completion_tokens == 100
         assert "-> 40 entries per KV head" in log_path.read_text()  # its own budget, below the server's
-        refusals = {"outside this server's limits [1, 96]": {"vllm_xargs": {"trikv_budget": 500}},
+        refusals = {"outside this server's limits [16, 96]": {"vllm_xargs": {"trikv_budget": 500}},
                     "must be an integer number of KV entries": {"vllm_xargs": {"trikv_budget": "lots"}},
                     "does not run requests with full attention": {"vllm_xargs": {"trikv_budget": "full"}},
-                    "beam search is not supported": {"use_beam_search": True, "n": 2}}
+                    "beam search is not supported": {"use_beam_search": True, "n": 2},
+                    # JSON true (which vLLM's request model would take as 1), a misspelt key, a budget under the
+                    # minimum, trikv settings beside vllm_xargs instead of inside it
+                    "or 'full', got true": {"vllm_xargs": {"trikv_budget": True}},
+                    "unknown trikv request setting(s) ['trikv_budgett']": {"vllm_xargs": {"trikv_budgett": 40}},
+                    "limits [16, 96] (at least 16": {"vllm_xargs": {"trikv_budget": 8}},
+                    "['trikv'] is not a request field: trikv's request settings go inside vllm_xargs": {"trikv": {"budget": 40}},
+                    "['trikv_budget'] is not a request field": {"trikv_budget": 40}}
         for reason, extra_body in refusals.items():
             with pytest.raises(openai.BadRequestError) as refused:
                 client.chat.completions.create(**chat, extra_body=extra_body)
@@ -775,7 +828,7 @@ def test_request_budget_limits_and_refusals():
         with pytest.raises(RequestSettingsError, match=reason):
             settings.request_budget({"trikv_budget": choice})
     assert BoundedKVSettings(method="knorm", budget=64, allow_full_requests=True).request_budget({"trikv_budget": "full"}) is None
-    with pytest.raises(RequestSettingsError, match=r"\[1, 64\].*at most budget"):
+    with pytest.raises(RequestSettingsError, match=r"\[16, 64\].*at most budget"):
         BoundedKVSettings(method="knorm", budget=64).request_budget({"trikv_budget": 65})
     for bad, reason in [({"max_request_budget": 0}, "max_request_budget must be a positive integer"),
                         ({"max_request_budget": 32}, "max_request_budget 32 is not larger than the protected recent window"),

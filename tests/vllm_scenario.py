@@ -9,8 +9,13 @@ vLLM's usual separate processes, which tensor parallelism needs), "batches": [{"
 "max_tokens", "min_tokens", optional "extra_args": [one SamplingParams.extra_args per prompt], optional "abort":
 {"after_steps", "requests": [indices]}: those requests are aborted, optional "arrivals": [the step at which each
 request is added], "priorities": [vLLM priority per request], "max_tokens" a list (one per request); any of these
-steps the engine by hand, "max_steps" (default 5000) then bounds the steps: a stalled engine fails the run}]}. RESULT: per batch the prompt and generated token ids of every request, then
-every rank's round records and statistics (in-process: the pool's free blocks at the end).
+steps the engine by hand, "max_steps" (default 5000) then bounds the steps: a stalled engine fails the run;
+"frontend_checks": false sends the batch through `LLM.generate` without trikv's front-end checks (what reaches the
+engine is then the engine's to refuse); "resumable": true adds each prompt as a streaming-input session, straight
+to the engine}], "probe": true (in-process) records, at every step with rounds, what the runner's persistent
+buffers hold (`vllm_probe.py`)}. RESULT: per batch the prompt, generated token ids, finish and stop reasons of
+every request, then every rank's round records and statistics (in-process: the pool's free blocks at the end; with
+"probe": the probe's findings).
 """
 
 from __future__ import annotations
@@ -63,21 +68,33 @@ def run(spec: dict) -> dict:
     started = time.perf_counter()
     llm = LLM(resolve_model_path(spec["model"]), **engine, **extra)
     result = {"startup_seconds": time.perf_counter() - started, "batches": []}
+    if spec.get("probe"):
+        import vllm_probe
+
+        llm.collective_rpc(vllm_probe.install)
     for batch in spec["batches"]:
         params = [SamplingParams(max_tokens=count, min_tokens=batch.get("min_tokens", count), temperature=0.0, ignore_eos=True)
                   for count in (batch["max_tokens"] if isinstance(batch["max_tokens"], list) else [batch["max_tokens"]] * len(batch["prompts"]))]
         for request_params, extra_args in zip(params, batch.get("extra_args", [])):  # a request's own trikv budget
             request_params.extra_args = extra_args
         started = time.perf_counter()
-        if {"abort", "arrivals", "priorities"} & set(batch) or isinstance(batch["max_tokens"], list):
+        if batch.get("resumable"):
+            requests = _resumable_by_hand(llm, batch, params, TokensPrompt)
+        elif {"abort", "arrivals", "priorities"} & set(batch) or isinstance(batch["max_tokens"], list):
             requests = _step_by_hand(llm, batch, params, TokensPrompt)
         else:
-            outputs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in batch["prompts"]], params, use_tqdm=False)
-            requests = [{"request_id": out.request_id, "prompt": list(out.prompt_token_ids), "tokens": list(out.outputs[0].token_ids)}
+            with _frontend_checks(batch.get("frontend_checks", True)):
+                outputs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in batch["prompts"]], params, use_tqdm=False)
+            requests = [{"request_id": out.request_id, "prompt": list(out.prompt_token_ids), "tokens": list(out.outputs[0].token_ids),
+                         "finish_reason": out.outputs[0].finish_reason, "stop_reason": out.outputs[0].stop_reason}
                         for out in outputs]
         result["batches"].append({"seconds": time.perf_counter() - started, "requests": requests})
     if in_process:  # every block back in the pool once all requests ended (finished, aborted or preempted)
         result["free_blocks_at_end"] = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+    if spec.get("probe"):
+        import vllm_probe
+
+        result["probe"] = llm.collective_rpc(vllm_probe.findings)
     if extra:
         result["rounds"] = llm.collective_rpc("trikv_rounds")  # one list per rank
         result["stats"] = llm.collective_rpc("trikv_stats")
@@ -113,6 +130,48 @@ def _step_by_hand(llm, batch: dict, params: list, TokensPrompt) -> list[dict]:
             raise RuntimeError(f"the engine did not finish in {steps} steps (stalled)")
     return [{"request_id": request_id, "prompt": prompt, "tokens": latest.get(request_id), "aborted": request_id in aborted,
              "token_steps": token_steps[request_id]}
+            for request_id, prompt in zip(ids, batch["prompts"])]
+
+
+class _frontend_checks:
+    """With `enabled` False, vLLM's own `InputProcessor.process_inputs` (trikv's front-end checks unwrapped) for the
+    duration of the block: the requests reach the engine as from a front end without trikv's plugin."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+
+    def __enter__(self):
+        from vllm.v1.engine.input_processor import InputProcessor
+
+        self.checked = InputProcessor.process_inputs
+        if not self.enabled:
+            InputProcessor.process_inputs = self.checked.__wrapped__
+
+    def __exit__(self, *exc):
+        from vllm.v1.engine.input_processor import InputProcessor
+
+        InputProcessor.process_inputs = self.checked
+
+
+def _resumable_by_hand(llm, batch: dict, params: list, TokensPrompt, steps: int = 50) -> list[dict]:
+    """Each prompt as a streaming-input session (`resumable`), built by vLLM's own input processor and added to the
+    engine directly; step until each has a finish reason (at most `steps`), then abort what is left."""
+    engine = llm.llm_engine
+    processor = engine.input_processor
+    ids, finished = [f"stream-{index}" for index in range(len(batch["prompts"]))], {}
+    for request_id, prompt, request_params in zip(ids, batch["prompts"], params):
+        core = type(processor).process_inputs.__wrapped__(processor, request_id, TokensPrompt(prompt_token_ids=prompt),
+                                                          request_params, engine.get_supported_tasks(), resumable=True)
+        engine.add_request(request_id, core, request_params)
+    for _ in range(steps):
+        for out in engine.step():
+            if out.outputs and out.outputs[0].finish_reason is not None:
+                finished[out.request_id] = {"tokens": list(out.outputs[0].token_ids), "finish_reason": out.outputs[0].finish_reason,
+                                            "stop_reason": out.outputs[0].stop_reason}
+        if len(finished) == len(ids):
+            break
+    engine.abort_request(ids)
+    return [{"request_id": request_id, "prompt": prompt, **finished.get(request_id, {"tokens": None, "finish_reason": None})}
             for request_id, prompt in zip(ids, batch["prompts"])]
 
 

@@ -85,23 +85,40 @@ class TriScorer:
         part._device_cache = {}
         return part
 
+    def for_heads(self, heads: slice) -> "TriScorer":
+        """The scorer of the KV heads `heads` alone (views of this one's per-head weights: their query heads)."""
+        start, stop, _ = heads.indices(self.num_kv_heads)
+        part = copy.copy(self)
+        part.q_mean = self.q_mean[:, start * self.group : stop * self.group]
+        part.norm_weight = self.norm_weight[:, start:stop]
+        part.num_heads, part.num_kv_heads = part.q_mean.shape[1], stop - start
+        part._device_cache = {}
+        return part
+
     def _on(self, device, dtype):
         key = (device, dtype)
         if key not in self._device_cache:
-            self._device_cache[key] = (
-                self.norm_weight.to(device=device, dtype=dtype),
-                self.geometry.real_index.to(device),
-                self.geometry.imag_index.to(device),
-            )
+            self._device_cache[key] = tuple(x.to(device, non_blocking=_async_copy(device)) for x in (
+                self.norm_weight.to(dtype), self.geometry.real_index, self.geometry.imag_index))
+        return self._device_cache[key]
+
+    def _rotation_terms(self, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q_mean [L, Hq, F] complex128, omega [F] and the folded offsets c_f [F] on `device`."""
+        key = (device, "rotation")
+        if key not in self._device_cache:
+            self._device_cache[key] = tuple(x.to(device, non_blocking=_async_copy(device))
+                                            for x in (self.q_mean, self.geometry.omega, self.fold))
         return self._device_cache[key]
 
     def _trig_weights(self, t: torch.Tensor, offsets: torch.Tensor | None) -> torch.Tensor:
-        """[L, b, Hq, F] complex: mu_f e^{i w_f t} (times c_f, or e^{i w_f o} for one offset o)."""
-        omega = self.geometry.omega
-        angle = t.double().cpu()[:, None] * omega[None, :]  # [b, F]
+        """[L, b, Hq, F] complex: mu_f e^{i w_f t} (times c_f, or e^{i w_f o} for one offset o). Computed in
+        float64 where t lives when that device has float64 (CPU, CUDA: no round trip to the host), else on the host."""
+        device = t.device if t.device.type in ("cpu", "cuda", "meta") else torch.device("cpu")
+        q_mean, omega, fold = self._rotation_terms(device)
+        angle = t.to(device=device, dtype=torch.float64)[:, None] * omega[None, :]  # [b, F]
         rotation = torch.polar(torch.ones_like(angle), angle)
-        rotation = rotation * (self.fold if offsets is None else torch.polar(torch.ones_like(omega), omega * offsets))
-        return self.q_mean[:, None] * rotation[None, :, None, :]
+        rotation = rotation * (fold if offsets is None else torch.polar(torch.ones_like(omega), omega * offsets))
+        return q_mean[:, None] * rotation[None, :, None, :]
 
     def score(self, keys: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         """keys [L, b, Hkv, N, D] post-RoPE of every layer, t [b] current positions
@@ -127,12 +144,20 @@ class TriScorer:
     def _dense_weights(self, coefficient: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         """Complex [L, b, Hq, F] -> real [L, b, Hkv, D, G] in the key layout, so that keys @ W = Re(coef conj(k))."""
         L, b, _, F = coefficient.shape
-        weights = torch.zeros(L, b, self.num_heads, self.geometry.head_dim, dtype=torch.float64)
-        weights[..., self.geometry.real_index] = coefficient.real
-        weights[..., self.geometry.imag_index] = coefficient.imag
+        _, real_index, imag_index = self._on(coefficient.device, torch.float64)
+        weights = torch.zeros(L, b, self.num_heads, self.geometry.head_dim, dtype=torch.float64, device=coefficient.device)
+        weights[..., real_index] = coefficient.real
+        weights[..., imag_index] = coefficient.imag
         weights = weights.view(L, b, self.num_kv_heads, self.group, -1).transpose(-1, -2)
         # float32 whatever the keys' dtype: bf16 / fp16 weights would score half-precision models with ~3 digits
-        return weights.to(device=keys.device, dtype=torch.float32)
+        return weights.to(device=keys.device, dtype=torch.float32, non_blocking=_async_copy(keys.device))
+
+
+def _async_copy(device: torch.device) -> bool:
+    """Host-to-device copies to a CUDA device need not wait for the device: CUDA stages a pageable source before
+    the call returns, so the copy neither stalls the stream nor reads a host tensor freed after it. (The meta
+    device stands in for CUDA where trikv counts what a round asks of the device.)"""
+    return torch.device(device).type in ("cuda", "meta")
 
 
 def zscore(scores: torch.Tensor, candidates: torch.Tensor, min_std: float = 1e-6) -> torch.Tensor:

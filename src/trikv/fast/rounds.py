@@ -80,6 +80,12 @@ class FastTriScorer(TriScorer):
         part._ahead = None
         return part
 
+    def for_heads(self, heads: slice) -> "FastTriScorer":
+        part = super().for_heads(heads)
+        part._clear_ahead()
+        part._ahead = None
+        return part
+
     # ---- the score --------------------------------------------------------------------------------
     def _magnitude(self, keys: torch.Tensor) -> torch.Tensor:
         """|k_f| per band: [..., N, D] -> [..., N, F] (hypot of strided views: no index copy)."""

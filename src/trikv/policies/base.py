@@ -90,6 +90,19 @@ class Policy:
             raise ValueError(f"{self.name} shares its selection across layers; it scores all layers at once")
         return self
 
+    @property
+    def scores_heads_independently(self) -> bool:
+        """True when a KV head's scores depend on that head's keys alone, so a round may score a few KV heads at a
+        time (`for_heads`); False for rules that mix heads (a union over heads, a head-shared selection)."""
+        return False
+
+    def for_heads(self, heads: slice) -> "Policy":
+        """The policy restricted to the KV heads `heads` of its bound model (only when
+        `scores_heads_independently`): its `score` then takes contexts that hold those KV heads alone."""
+        if not self.scores_heads_independently:
+            raise ValueError(f"{self.name} mixes KV heads in its selection; it scores all heads at once")
+        return self
+
     def round_bytes_per_entry(self, head_dim: int, group: int, entries: int) -> int:
         """Transient bytes `score` allocates per scored entry (layer, row, KV head, slot) when each (layer, row,
         KV head) holds `entries` entries: what a round's memory cap is planned with."""

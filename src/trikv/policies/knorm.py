@@ -25,6 +25,7 @@ class KnormPress(Policy):
     rule = "keep the keys with the smallest L2 norm"
     scores_rows_independently = True
     scores_layers_independently = True
+    scores_heads_independently = True
     recent_window: int = 0
 
     def score(self, context: ScoringContext) -> torch.Tensor:

@@ -22,6 +22,7 @@ class StreamingLLM(Policy):
     rule = "keep 4 attention-sink tokens + the most recent tokens"
     scores_rows_independently = True
     scores_layers_independently = True
+    scores_heads_independently = True
     sinks: int = 4
 
     def score(self, context: ScoringContext) -> torch.Tensor:

@@ -95,6 +95,16 @@ class TriAttention(Policy):
         part.scorer = self.scorer.for_layers(layers)
         return part
 
+    @property
+    def scores_heads_independently(self) -> bool:
+        return not self.union_selection
+
+    def for_heads(self, heads: slice) -> "TriAttention":
+        super().for_heads(heads)  # refuses the union mode, which ranks tokens over every head
+        part = copy.copy(self)
+        part.scorer = self.scorer.for_heads(heads)
+        return part
+
     def round_bytes_per_entry(self, head_dim: int, group: int, entries: int) -> int:
         # float32 keys, band magnitudes, G scores per query head, their z-scores and the max over the group
         return 4 * head_dim + 2 * head_dim + 12 * group + 16

@@ -18,18 +18,26 @@ Everything goes through vLLM's own extension points: a scheduler class (`schedul
 A request may choose its own budget, or full attention, within the server's limits (`max_request_budget`,
 `allow_full_requests`): `SamplingParams(extra_args={"trikv_budget": 512})`, or over HTTP
 `extra_body={"vllm_xargs": {"trikv_budget": 512}}` (`"full"` for full attention); a value outside the limits,
-beam search and streaming-input sessions get HTTP 400 with the reason (`frontend.py`).
+beam search and streaming-input sessions get HTTP 400 with the reason (`frontend.py`), and the engine refuses
+what reaches it another way (`scheduler.py`).
+
+On CUDA the engine arguments also select what a compacted cache needs: vLLM's V1 model runner
+(`VLLM_USE_V2_MODEL_RUNNER=0` in this process's environment, which vLLM's engine processes inherit) and
+PIECEWISE CUDA graphs (attention outside the graphs); `support.py` refuses the rest at start-up.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shlex
 
 from . import frontend
-from .settings import CONFIG_KEY, REQUEST_BUDGET_KEY, BoundedKVSettings, RequestSettingsError, SettingsError, serving_methods
 from ..settings import DEFAULT_BUDGET, DEFAULT_DIVIDE_LENGTH, DEFAULT_METHOD, DEFAULT_MIN_DECODE_ROOM
-from .support import SUPPORTED_VLLM, UnsupportedEngineError, check_model, check_vllm_version
+from .settings import (CONFIG_KEY, MIN_BUDGET, REQUEST_BUDGET_KEY, BoundedKVSettings, RequestSettingsError, SettingsError,
+                       serving_methods)
+from .support import (CUDAGRAPH_MODE, SUPPORTED_VLLM, V2_RUNNER_ENV, UnsupportedEngineError, check_model,
+                      check_vllm_version)
 
 frontend.register()  # the request checks, also where vLLM's plugin entry points are not loaded
 
@@ -45,6 +53,7 @@ def engine_args(
     protect_prompt: bool = True,
     min_decode_room: int = DEFAULT_MIN_DECODE_ROOM,
     model: str | None = None,
+    compilation_config: dict | None = None,
     **options,
 ) -> dict:
     """Keyword arguments for `vllm.LLM(...)` / `vllm.EngineArgs(...)` that bound every request's KV cache.
@@ -53,11 +62,19 @@ def engine_args(
     caches (`stats`: bundled name or path, for methods that need statistics). `model`: when given, the
     model's config is checked here, before vLLM starts (family, statistics' shape and RoPE). Other keyword
     arguments are method options (e.g. `recent_window=8`) or the trikv settings `allow_untested_platform`,
-    `record_rounds`, `round_workspace_bytes`, `max_request_budget`, `allow_full_requests` and `max_rounds_per_step`. `method="full"` returns no arguments: plain vLLM.
+    `record_rounds`, `round_workspace_bytes`, `max_request_budget`, `allow_full_requests` and
+    `max_rounds_per_step`. `method="full"` returns no arguments: plain vLLM.
+
+    Besides trikv's scheduler, worker and settings, the arguments turn off prefix caching and async scheduling
+    and set `compilation_config={"cudagraph_mode": "PIECEWISE"}` (merged into `compilation_config` when given: on
+    CUDA attention then runs outside graphs, so it reads each step's compacted lengths; the CPU build runs no
+    graphs). They also set `VLLM_USE_V2_MODEL_RUNNER=0` in this process's environment (inherited by vLLM's engine
+    processes: the V2 runner is vLLM 0.32's CUDA default, and trikv runs on V1); a value selecting V2 is refused.
     """
     check_vllm_version()
     if method == "full":
         return {}
+    select_v1_runner()
     settings_only = ("allow_untested_platform", "record_rounds", "round_workspace_bytes", "max_request_budget", "allow_full_requests",
                      "max_rounds_per_step")
     extra = {name: options.pop(name) for name in settings_only if name in options}
@@ -79,12 +96,24 @@ def engine_args(
         "worker_cls": WORKER_CLASS,
         "enable_prefix_caching": False,
         "async_scheduling": False,
+        "compilation_config": {"cudagraph_mode": CUDAGRAPH_MODE, **(compilation_config or {})},
         "additional_config": {CONFIG_KEY: settings.to_config()},
     }
 
 
+def select_v1_runner() -> None:
+    """Set `VLLM_USE_V2_MODEL_RUNNER=0` in this process's environment (vLLM's engine processes inherit it);
+    refuse a value that selects the V2 runner."""
+    value = os.environ.get(V2_RUNNER_ENV)
+    if value is not None and value.strip() != "0":
+        raise UnsupportedEngineError(f"{V2_RUNNER_ENV}={value} selects vLLM's V2 model runner, which trikv does not "
+                                     f"support: unset it or set {V2_RUNNER_ENV}=0")
+    os.environ[V2_RUNNER_ENV] = "0"
+
+
 def serve_flags(**settings) -> list[str]:
-    """The `vllm serve` command-line flags equivalent to `engine_args(**settings)`."""
+    """The `vllm serve` command-line flags equivalent to `engine_args(**settings)` (the V1 runner is chosen by
+    the environment: run `vllm serve` with VLLM_USE_V2_MODEL_RUNNER=0, as `trikv serve` does)."""
     args = engine_args(**settings)
     if not args:
         return []
@@ -93,6 +122,7 @@ def serve_flags(**settings) -> list[str]:
         "--worker-cls", args["worker_cls"],
         "--no-enable-prefix-caching",
         "--no-async-scheduling",
+        "--compilation-config", json.dumps(args["compilation_config"], sort_keys=True),
         "--additional-config", json.dumps(args["additional_config"], sort_keys=True),
     ]
 
@@ -110,6 +140,7 @@ __all__ = [
     "SettingsError",
     "RequestSettingsError",
     "REQUEST_BUDGET_KEY",
+    "MIN_BUDGET",
     "UnsupportedEngineError",
     "SUPPORTED_VLLM",
     "check_vllm_version",

@@ -76,11 +76,15 @@ def add_vllm_commands(sub) -> None:
 
 def cmd_vllm_args(args) -> int:
     from . import serve_flags, serving_methods
+    from .support import V2_RUNNER_ENV
 
     if args.list:
         print("\n".join(serving_methods()))
         return 0
     print(shlex.join(serve_flags(**_settings(args))))
+    # on stderr, so that `vllm serve MODEL $(trikv vllm-args ...)` takes the flags alone
+    print(f"# on CUDA run vllm serve with {V2_RUNNER_ENV}=0 in its environment (trikv runs on vLLM's V1 model runner; "
+          "trikv serve sets it)", file=sys.stderr)
     return 0
 
 
@@ -100,11 +104,14 @@ def serve_command(args) -> list[str]:
 
 
 def cmd_serve(args) -> int:
-    command = serve_command(args)
+    from .support import V2_RUNNER_ENV
+
+    command = serve_command(args)  # engine_args has set VLLM_USE_V2_MODEL_RUNNER=0 here: vLLM inherits it
+    shown = f"{V2_RUNNER_ENV}={os.environ[V2_RUNNER_ENV]} {shlex.join(command)}"
     if args.dry_run:
-        print(shlex.join(command))
+        print(shown)
         return 0
-    print(f"[trikv] {shlex.join(command)}", flush=True)
+    print(f"[trikv] {shown}", flush=True)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
     if "VLLM_PLUGINS" not in os.environ:  # serve GET /trikv/stats too (vLLM loads named endpoint plugins only)
         from .endpoint import plugins_setting

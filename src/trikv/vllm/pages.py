@@ -20,7 +20,7 @@ strides, on the storage it shares with the other layers: nothing assumes a conti
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -38,6 +38,7 @@ class PageCodec:
     key_offsets: torch.Tensor
     value_offsets: torch.Tensor
     block_size: int
+    _plans: dict = field(default_factory=dict, repr=False, compare=False)  # (shape, strides, device) -> RowPlan
 
     @property
     def num_heads(self) -> int:
@@ -90,25 +91,50 @@ class PageCodec:
             if bool((table < 0).any()):
                 raise RuntimeError(f"cannot read this vLLM KV cache layout: two {part} elements share one page offset")
             offsets[part] = table
-        return cls(offsets["key"], offsets["value"], block_size)
+        codec = cls(offsets["key"], offsets["value"], block_size)
+        codec.plan(kv_cache)  # worked out here, at start-up, so that rounds read nothing back from the device
+        return codec
 
-    def locate(self, block_table: torch.Tensor, kv_cache: torch.Tensor) -> "Located":
-        """Where the keys and values of the blocks `block_table` [R, nb] lie in the cache's storage, the same for
-        every layer whose view has the shape and strides of `kv_cache` (see `Rows` for the three ways)."""
+    def plan(self, kv_cache: torch.Tensor) -> "RowPlan":
+        """How the keys and values of any blocks of a layer view shaped like `kv_cache` are addressed (widest rows
+        of consecutive elements; see `Rows`). It depends on the page arrangement and the view's strides alone, so
+        it is worked out once per stride set (reading the learnt offsets on the host) and reused by every round."""
+        key = (tuple(kv_cache.shape[1:]), tuple(kv_cache.stride()), kv_cache.device)
+        plans = self._plans
+        if key not in plans:
+            plans[key] = RowPlan(*(_row_layout(_strided(offsets, kv_cache), kv_cache.stride(0))
+                                   for offsets in (self.key_offsets, self.value_offsets)))
+        return plans[key]
+
+    def to(self, device) -> "PageCodec":
+        """This codec for caches of the same arrangement on `device`: the offsets and the plans worked out so far
+        move along (a plan is read on the host once; its copy on another device needs no reading)."""
+        moved = PageCodec(self.key_offsets.to(device), self.value_offsets.to(device), self.block_size)
+        for (shape, stride, _), plan in self._plans.items():
+            moved._plans[(shape, stride, moved.key_offsets.device)] = RowPlan(
+                *(replace(layout, firsts=layout.firsts.to(device)) for layout in (plan.keys, plan.values)))
+        return moved
+
+    def locate(self, block_table: torch.Tensor, kv_cache: torch.Tensor, heads: slice = slice(None)) -> "Located":
+        """Where the keys and values of the blocks `block_table` [R, nb] (KV heads `heads`) lie in the cache's
+        storage, the same for every layer whose view has the shape and strides of `kv_cache`. Device arithmetic
+        only: nothing is read back to the host once `plan` is known."""
+        plan = self.plan(kv_cache)
         starts = (block_table.to(self.key_offsets.device) * kv_cache.stride(0))[:, :, None, None]  # [R, nb, 1, 1]
-        return Located(*(_rows(_strided(offsets, kv_cache), starts, kv_cache.stride(0))
-                         for offsets in (self.key_offsets, self.value_offsets)))
+        return Located(plan.keys.rows(starts, heads), plan.values.rows(starts, heads))
 
     def gather(self, kv_cache: torch.Tensor, block_table: torch.Tensor, located=None, keys_only: bool = False):
         """Keys and values of `block_table` [R, nb] (block ids, row per request) -> two [R, Hkv, nb * N, D]
-        (or the keys alone). `located`: `locate(...)` of these blocks, when the caller already has it."""
+        (or the keys alone). `located`: `locate(...)` of these blocks (maybe of some heads only), when the caller
+        already has it."""
         located = located if located is not None else self.locate(block_table, kv_cache)
         keys = located.keys.gather(kv_cache)
         return keys if keys_only else (keys, located.values.gather(kv_cache))
 
     def move(self, kv_cache: torch.Tensor, block_table: torch.Tensor, order: torch.Tensor, located=None) -> None:
         """In place: slot i of every request and KV head takes the key and value of slot order[r, h, i]
-        (order [R, Hkv, n], within the request's blocks `block_table` [R, nb]); slots past n are untouched."""
+        (order [R, h, n], within the request's blocks `block_table` [R, nb], for the h heads `located` covers);
+        slots past n are untouched."""
         located = located if located is not None else self.locate(block_table, kv_cache)
         located.keys.move(kv_cache, order)
         located.values.move(kv_cache, order)
@@ -119,9 +145,10 @@ class Rows:
     """Storage indices of the keys (or values) of a set of blocks [R, nb], as rows of `width` consecutive elements
     starting `residue` elements into the storage, along one of three axes:
 
-    - "dim": a row is one (head, slot)'s D elements; index [R, Hkv, nb N];
-    - "slot": a row is one block's N slots of one (head, dimension); index [R, Hkv, D, nb];
-    - "element": single elements (width 1); index [R, Hkv, nb N, D].
+    - "dim": a row is one (head, slot)'s D elements; index [R, h, nb N];
+    - "slot": a row is one block's N slots of one (head, dimension); index [R, h, D, nb];
+    - "element": single elements (width 1); index [R, h, nb N, D]
+    (h: the KV heads located, all of them or a slice).
     """
 
     index: torch.Tensor
@@ -138,12 +165,12 @@ class Rows:
         return flat[self.residue :].as_strided((rows, self.width), (self.width, 1))
 
     def gather(self, kv_cache: torch.Tensor) -> torch.Tensor:
-        """[R, Hkv, nb N, D] (a transposed view along "slot")."""
+        """[R, h, nb N, D] (a transposed view along "slot")."""
         rows = self.view(kv_cache)[self.index]
         return rows.flatten(-2).transpose(-1, -2) if self.along == "slot" else rows  # [R, H, D, nb, N] -> [R, H, nb N, D]
 
     def move(self, kv_cache: torch.Tensor, order: torch.Tensor) -> None:
-        """In place: slot i of every (request, head) takes slot order[r, h, i] (order [R, Hkv, n])."""
+        """In place: slot i of every (request, head) takes slot order[r, h, i] (order [R, h, n])."""
         view, n = self.view(kv_cache), order.shape[-1]
         if self.along == "dim":
             view[self.index[:, :, :n]] = view[self.index.gather(2, order)]  # the right side is read whole first
@@ -158,13 +185,6 @@ class Rows:
             touched = -(-n // self.width)
             view[self.index[..., :touched]] = slots.view(R, H, D, nb, self.width)[..., :touched, :]
 
-    @property
-    def index_bytes_per_slot(self) -> int:
-        """Bytes of index per (request, head, slot) of one part."""
-        per_row = self.index.element_size()
-        return {"dim": per_row, "element": per_row * self.index.shape[-1]}.get(
-            self.along, -(-per_row * self.index.shape[2] // max(1, self.width)))
-
 
 @dataclass
 class Located:
@@ -173,28 +193,66 @@ class Located:
     keys: Rows
     values: Rows
 
+
+@dataclass
+class RowLayout:
+    """How one part (keys or values) of a layer view is addressed: rows of `width` consecutive storage elements
+    starting `residue` elements into the storage, along "dim", "slot" or "element" (see `Rows`). `firsts`: the
+    first row index of every row of one block, relative to the block's first element: [H, N] along "dim" (one
+    row per (head, slot)), [H, D] along "slot" (one per (head, dimension)), [H, N, D] per element."""
+
+    along: str
+    width: int
+    residue: int
+    firsts: torch.Tensor
+
+    def rows(self, starts: torch.Tensor, heads: slice) -> Rows:
+        """The rows of blocks whose first storage elements are `starts` [R, nb, 1, 1], heads `heads` only."""
+        firsts = self.firsts[heads]
+        R, nb = starts.shape[:2]
+        if self.along == "dim":  # [R, nb, h, N] -> [R, h, nb N]
+            index = ((starts + firsts[None, None]) // self.width).permute(0, 2, 1, 3).reshape(R, firsts.shape[0], -1)
+        elif self.along == "slot":  # [R, nb, h, D] -> [R, h, D, nb]
+            index = ((starts + firsts[None, None]) // self.width).permute(0, 2, 3, 1)
+        else:  # [R, nb, h, N, D] -> [R, h, nb N, D]
+            H, N, D = firsts.shape
+            index = (starts[..., None] + firsts[None, None]).permute(0, 2, 1, 3, 4).reshape(R, H, nb * N, D)
+        return Rows(index, self.along, self.width, self.residue)
+
+    @property
+    def index_bytes_per_slot(self) -> int:
+        """Bytes of storage index per (request, head, slot) of this part: one int64 per row."""
+        if self.along == "dim":
+            return 8
+        if self.along == "slot":
+            return -(-8 * self.firsts.shape[-1] // self.width)
+        return 8 * self.firsts.shape[-1]
+
+
+@dataclass
+class RowPlan:
+    """The `RowLayout` of a layer view's keys and of its values."""
+
+    keys: RowLayout
+    values: RowLayout
+
     @property
     def index_bytes_per_slot(self) -> int:
         return self.keys.index_bytes_per_slot + self.values.index_bytes_per_slot
 
 
-def _rows(in_page: torch.Tensor, starts: torch.Tensor, block_stride: int) -> Rows:
-    """The widest rows that address one part: `in_page` [H, N, D] storage offsets from a block's first element,
-    `starts` [R, nb, 1, 1] the blocks' first elements."""
-    H, N, D = in_page.shape
-    R, nb = starts.shape[:2]
-    for along, width, firsts, steps in (("dim", D, in_page[..., :1], torch.arange(D)),
-                                        ("slot", N, in_page[:, :1, :], torch.arange(N)[:, None])):
+def _row_layout(in_page: torch.Tensor, block_stride: int) -> RowLayout:
+    """The widest rows that address one part: `in_page` [H, N, D] storage offsets from a block's first element.
+    Reads the offsets on the host (run once per stride set, at start-up)."""
+    N, D = in_page.shape[1:]
+    for along, width, firsts, steps in (("dim", D, in_page[..., 0], torch.arange(D)),
+                                        ("slot", N, in_page[:, 0, :], torch.arange(N)[:, None])):
+        expanded = firsts[..., None] if along == "dim" else firsts[:, None, :]
         residue = int(firsts.flatten()[0]) % width
-        if (torch.equal(in_page, firsts + steps.to(in_page.device)) and block_stride % width == 0
+        if (torch.equal(in_page, expanded + steps.to(in_page.device)) and block_stride % width == 0
                 and bool((firsts % width == residue).all())):
-            if along == "dim":  # [R, nb, H, N] -> [R, H, nb N]
-                index = ((starts + firsts[None, None, ..., 0] - residue) // width).permute(0, 2, 1, 3).reshape(R, H, nb * N)
-            else:  # [R, nb, H, D] -> [R, H, D, nb]
-                index = ((starts + firsts[None, None, :, 0, :] - residue) // width).permute(0, 2, 3, 1)
-            return Rows(index, along, width, residue)
-    index = (starts[..., None] + in_page[None, None]).permute(0, 2, 1, 3, 4).reshape(R, H, nb * N, D)
-    return Rows(index, "element", 1)
+            return RowLayout(along, width, residue, firsts - residue)
+    return RowLayout("element", 1, 0, in_page)
 
 
 def _strided(offsets: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,13 @@ chunk (max_num_batched_tokens) entries, and its readmission asks for only that m
 at 30K tokens does not wait for 30K tokens of free blocks, nor hold up the requests queued behind it. Its cache
 after the recompute is a new selection over the recomputed history (rounds at chunk boundaries rather than
 every divide_length tokens), so its later tokens can differ from an unpreempted run's. Without chunked prefill
-the recompute is one prefill of the whole history, compacted once it is done.
+the recompute would be one prefill of the whole history, holding all of it: such an engine is refused at
+start-up (`check_engine_config`).
+
+Requests the engine cannot serve as asked are refused here too, not only in vLLM's front end (a `vllm serve`
+without trikv's plugin, an `LLM` whose requests skip the input processor): a malformed or out-of-range
+`trikv_budget`, an unknown `trikv*` key, a streaming-input session. A refused request never runs: it finishes
+at once with finish_reason "error" and the reason as its stop_reason, and the engine keeps serving.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import functools
 
 from vllm.logger import init_logger
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
 
 from .compactor import CompactionOp, StepPlan
 from .settings import BoundedKVSettings, RequestSettingsError
@@ -88,6 +95,7 @@ class TriKVScheduler(Scheduler):
         self.trikv_preemptions = 0
         self._trikv_announced: set[str] = set()  # requests whose first round was logged
         self._trikv_budgets: dict[str, int | None] = {}  # request -> its budget (None: full attention)
+        self._trikv_refused: list[tuple[object, str]] = []  # (request, reason) refused since the last step
         self._trikv_manager = full_attention_manager(self.kv_cache_manager.coordinator.single_type_managers)
         # a preempted request recomputes its history in chunks of at most this many tokens, compacting as it goes
         self._trikv_chunk = self.max_num_scheduled_tokens if self.scheduler_config.enable_chunked_prefill else None
@@ -106,17 +114,47 @@ class TriKVScheduler(Scheduler):
         output.trikv = plan
         return output
 
+    def add_request(self, request) -> None:
+        reason = self._refusal(request)
+        if reason is None:
+            super().add_request(request)
+            return
+        log.error("trikv: request %s refused: %s", request.request_id, reason)
+        self._trikv_refused.append((request, reason))
+
+    def _refusal(self, request) -> str | None:
+        """Why this engine cannot serve `request` as asked (None when it can): the checks of trikv's front end,
+        for requests that reached the engine without passing them."""
+        if getattr(request, "resumable", False) and request.request_id not in self.requests:
+            return ("streaming-input sessions are not supported with a bounded KV cache: the prompt would grow after "
+                    "the request's cache was compacted")
+        if request.sampling_params is None:
+            return None
+        try:
+            self.trikv.request_budget(request.sampling_params.extra_args)
+        except RequestSettingsError as error:
+            return str(error)
+        return None
+
+    def get_num_unfinished_requests(self) -> int:
+        return super().get_num_unfinished_requests() + len(self._trikv_refused)  # their error output is still due
+
+    def update_from_output(self, scheduler_output, model_runner_output):
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        for request, reason in self._trikv_refused:
+            batch = outputs.setdefault(request.client_index, EngineCoreOutputs())
+            batch.outputs = [*batch.outputs, EngineCoreOutput(request.request_id, [], finish_reason=FinishReason.ERROR,
+                                                              stop_reason=f"trikv: {reason}")]
+            batch.finished_requests = {*(batch.finished_requests or ()), request.request_id}
+        self._trikv_refused.clear()
+        return outputs
+
     def _budget_of(self, request) -> int | None:
-        """The request's budget (its own `trikv_budget` or the server's), None for full attention. The frontend
-        refuses a bad choice with HTTP 400; one that reaches the engine another way is logged and served with the
-        server's budget rather than stopping the engine."""
+        """The request's budget (its own `trikv_budget` or the server's), None for full attention (a request whose
+        choice is malformed never gets here: `add_request` refuses it)."""
         if request.request_id not in self._trikv_budgets:
-            try:
-                budget = self.trikv.request_budget(request.sampling_params.extra_args if request.sampling_params else None)
-            except RequestSettingsError as error:
-                log.error("trikv: request %s: %s; it runs with the server's budget %d", request.request_id, error, self.trikv.budget)
-                budget = self.trikv.budget
-            self._trikv_budgets[request.request_id] = budget
+            extra_args = request.sampling_params.extra_args if request.sampling_params else None
+            self._trikv_budgets[request.request_id] = self.trikv.request_budget(extra_args)
         return self._trikv_budgets[request.request_id]
 
     def _start_rounds(self) -> list[CompactionOp]:
@@ -190,6 +228,17 @@ class TriKVScheduler(Scheduler):
         if request is None or not self._compacts_while_prefilling(request):
             return None
         return self._budget_of(request) + self.trikv.divide_length + self._trikv_chunk
+
+    def finish_requests(self, request_ids, finished_status):
+        """vLLM's, and an abort of a refused request drops its pending error output (the client stopped waiting)."""
+        if request_ids is not None and not isinstance(request_ids, str):
+            request_ids = list(request_ids)  # read twice
+        if request_ids is None:
+            self._trikv_refused.clear()
+        elif self._trikv_refused:
+            gone = {request_ids} if isinstance(request_ids, str) else set(request_ids)
+            self._trikv_refused = [(r, why) for r, why in self._trikv_refused if r.request_id not in gone]
+        return super().finish_requests(request_ids, finished_status)
 
     def _preempt_request(self, request, *args, **kwargs):
         super()._preempt_request(request, *args, **kwargs)

@@ -17,6 +17,10 @@ from ..settings import (DEFAULT_BUDGET, DEFAULT_DIVIDE_LENGTH, DEFAULT_METHOD, D
 CONFIG_KEY = "trikv"
 # the per-request choice, in `SamplingParams.extra_args` (OpenAI API: `extra_body={"vllm_xargs": {...}}`)
 REQUEST_BUDGET_KEY = "trikv_budget"
+REQUEST_KEY_PREFIX = "trikv"  # every extra_args key of trikv's starts with it; unknown ones are refused
+# the smallest budget a server or a request may set: below it a round keeps fewer entries than StreamingLLM's 4
+# attention sinks plus a dozen recent tokens, and generated text degrades to noise
+MIN_BUDGET = 16
 
 
 class SettingsError(ValueError):
@@ -45,9 +49,9 @@ class BoundedKVSettings:
     serving limits.
 
     A request may choose its own budget with `extra_args["trikv_budget"]` (an integer, or "full" for full
-    attention), within the server's limits: above the method's recent window, at most `max_request_budget`
-    (default: `budget`, so a request can shrink its cache but not grow it), and "full" only with
-    `allow_full_requests`.
+    attention), within the server's limits: at least `MIN_BUDGET` (16) and above the method's recent window, at
+    most `max_request_budget` (default: `budget`, so a request can shrink its cache but not grow it), and "full"
+    only with `allow_full_requests`. Any other `trikv*` key of `extra_args` is refused, not ignored.
     """
 
     method: str = DEFAULT_METHOD
@@ -81,12 +85,16 @@ class BoundedKVSettings:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "min_decode_room" else 1):
                 raise SettingsError(f"{name} must be a positive integer, got {value!r}")
+        if self.budget < MIN_BUDGET:
+            raise SettingsError(f"budget must be at least {MIN_BUDGET} entries per (layer, KV head), got {self.budget}")
         if self.max_rounds_per_step is not None and (
                 isinstance(self.max_rounds_per_step, bool) or not isinstance(self.max_rounds_per_step, int) or self.max_rounds_per_step < 1):
             raise SettingsError(f"max_rounds_per_step must be a positive integer or null, got {self.max_rounds_per_step!r}")
         if self.max_request_budget is not None and (
                 isinstance(self.max_request_budget, bool) or not isinstance(self.max_request_budget, int) or self.max_request_budget < 1):
             raise SettingsError(f"max_request_budget must be a positive integer or null, got {self.max_request_budget!r}")
+        if self.max_request_budget is not None and self.max_request_budget < MIN_BUDGET:
+            raise SettingsError(f"max_request_budget must be at least {MIN_BUDGET}, got {self.max_request_budget}")
         for name in ("protect_prompt", "allow_untested_platform", "record_rounds", "allow_full_requests"):
             if not isinstance(getattr(self, name), bool):
                 raise SettingsError(f"{name} must be true or false, got {getattr(self, name)!r}")
@@ -109,9 +117,21 @@ class BoundedKVSettings:
         except (TypeError, ValueError) as error:
             raise SettingsError(str(error)) from None
 
+    @property
+    def lowest_request_budget(self) -> int:
+        """The smallest budget a request may choose: `MIN_BUDGET`, and above the method's recent window."""
+        return max(MIN_BUDGET, self._recent_window + 1)
+
     def request_budget(self, extra_args: dict | None) -> int | None:
         """The budget of a request with these `SamplingParams.extra_args`: the server's `budget` when it chooses
-        nothing, its own `trikv_budget` within the limits, None for full attention; RequestSettingsError otherwise."""
+        nothing, its own `trikv_budget` within the limits, None for full attention; RequestSettingsError otherwise
+        (also for any other key starting with "trikv": a misspelt choice must not run silently with the default)."""
+        if extra_args is not None and not isinstance(extra_args, dict):
+            raise RequestSettingsError(f"extra_args must be a dict, got {type(extra_args).__name__}")
+        unknown = sorted(key for key in (extra_args or {}) if isinstance(key, str) and key.startswith(REQUEST_KEY_PREFIX)
+                         and key != REQUEST_BUDGET_KEY)
+        if unknown:
+            raise RequestSettingsError(f"unknown trikv request setting(s) {unknown}: the only one is {REQUEST_BUDGET_KEY!r}")
         choice = (extra_args or {}).get(REQUEST_BUDGET_KEY)
         if choice is None:
             return self.budget
@@ -123,11 +143,12 @@ class BoundedKVSettings:
         if isinstance(choice, bool) or not isinstance(choice, int):
             raise RequestSettingsError(f"{REQUEST_BUDGET_KEY} must be an integer number of KV entries per (layer, KV head) "
                                        f"or 'full', got {choice!r}")
-        lowest = self._recent_window + 1
+        lowest = self.lowest_request_budget
         highest = self.budget if self.max_request_budget is None else self.max_request_budget
         if not lowest <= choice <= highest:
             raise RequestSettingsError(f"{REQUEST_BUDGET_KEY}={choice} is outside this server's limits [{lowest}, {highest}] "
-                                       f"(above {self.method}'s recent window of {lowest - 1} tokens, at most "
+                                       f"(at least {MIN_BUDGET} and above {self.method}'s recent window of "
+                                       f"{self._recent_window} tokens, at most "
                                        f"{'budget' if self.max_request_budget is None else 'max_request_budget'})")
         return choice
 

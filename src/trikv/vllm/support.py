@@ -3,8 +3,11 @@
 trikv subclasses vLLM's scheduler, worker and model runner and overrides private methods, so it is tied to
 one vLLM minor release (SUPPORTED_VLLM). Features that would silently break a compacted cache are refused:
 prefix caching (shared blocks would be rewritten), speculative decoding (unverified tokens in the count),
-pipeline / context parallelism, KV connectors, quantised KV caches, the V2 model runner, models whose every layer
-slides. Hybrid models (Gemma-3) are bounded in their full-attention layers; their sliding-window layers stay vLLM's.
+pipeline / context parallelism, KV connectors, quantised KV caches, the V2 model runner, CUDA graph modes that
+capture attention (FULL, FULL_DECODE_ONLY, FULL_AND_PIECEWISE: a replayed graph reads the sequence lengths it was
+captured with), an engine without chunked prefill (a preempted request would be recomputed in one prefill of its
+whole history), a front end without trikv's request checks, models whose every layer slides. Hybrid models
+(Gemma-3) are bounded in their full-attention layers; their sliding-window layers stay vLLM's.
 """
 
 from __future__ import annotations
@@ -26,6 +29,25 @@ SUPPORTED_VLLM = ">=0.32,<0.33"
 
 class UnsupportedEngineError(ValueError):
     """The installed vLLM, or a feature enabled in its configuration, cannot run with a trikv cache."""
+
+
+# what trikv's engine arguments set: attention (and the KV writes) outside CUDA graphs, the rest of a step in them
+CUDAGRAPH_MODE = "PIECEWISE"
+V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
+
+
+def graph_mode_problem(compilation_config) -> str | None:
+    """Why this resolved CUDA graph mode cannot run a compacted cache, or None. Modes with FULL graphs replay
+    attention from graphs captured with vLLM's persistent sequence-length buffer, which holds the logical lengths;
+    trikv gives attention the compacted lengths in metadata built for the step, which only eager attention reads."""
+    mode = compilation_config.cudagraph_mode
+    if mode is None or not mode.has_full_cudagraphs():
+        return None
+    return (f"CUDA graph mode {mode.name} replays attention from captured graphs, which read vLLM's own sequence "
+            "lengths and block tables (the logical ones): after a compaction a replayed step would attend over freed "
+            f"blocks. Use cudagraph_mode={CUDAGRAPH_MODE} (attention runs eagerly between graphs; trikv's "
+            f"engine_args, `trikv vllm-args` and `trikv serve` set it: -cc.cudagraph_mode={CUDAGRAPH_MODE}) or "
+            "--enforce-eager (no graphs)")
 
 
 def check_vllm_version(version: str | None = None) -> str:
@@ -58,8 +80,9 @@ def check_engine_config(vllm_config, settings: BoundedKVSettings | None) -> None
     if not current_platform.is_cpu() and not settings.allow_untested_platform:
         raise UnsupportedEngineError(
             f"trikv's vLLM integration is tested on vLLM's CPU build; on {current_platform.device_name or 'this platform'} "
-            "set allow_untested_platform=true (with VLLM_USE_V2_MODEL_RUNNER=0, --enforce-eager, --no-async-scheduling) "
-            "and check the outputs against the transformers path first"
+            "set allow_untested_platform=true and check the outputs against the transformers path first "
+            "(trikv's engine arguments already select what CUDA needs: the V1 model runner, PIECEWISE CUDA graphs, "
+            "no async scheduling)"
         )
     cache_config = vllm_config.cache_config
     parallel = vllm_config.parallel_config
@@ -79,7 +102,23 @@ def check_engine_config(vllm_config, settings: BoundedKVSettings | None) -> None
     if getattr(vllm_config.scheduler_config, "async_scheduling", False):
         problems.append("async scheduling is not supported: pass async_scheduling=False / --no-async-scheduling")
     if vllm_config.use_v2_model_runner:
-        problems.append("vLLM's V2 model runner is not supported: set VLLM_USE_V2_MODEL_RUNNER=0")
+        forced = " (watermarking forces it: turn watermarking off)" if getattr(vllm_config, "watermark_config", None) else ""
+        problems.append(f"vLLM's V2 model runner is not supported{forced}: set {V2_RUNNER_ENV}=0 in the environment of "
+                        "`vllm serve` / the process that creates the engine (trikv's engine_args and `trikv serve` set it)")
+    if (graph := graph_mode_problem(vllm_config.compilation_config)) is not None:
+        problems.append(graph)
+    if not vllm_config.scheduler_config.enable_chunked_prefill:
+        problems.append("chunked prefill is off: a preempted request would be recomputed in one prefill of its whole "
+                        "history, holding all of it at once (with chunked prefill it is compacted between chunks and "
+                        "never holds more than budget + divide_length + one chunk): remove --no-enable-chunked-prefill / "
+                        "enable_chunked_prefill=False")
+    from .frontend import REQUEST_CHECKS_ENV, checks_installed
+
+    if not checks_installed():
+        problems.append("trikv's request checks are not installed in vLLM's front end, so beam search (which the engine "
+                        "cannot tell from one-token requests) would run with full attention: let vLLM load trikv's "
+                        "plugin (unset VLLM_PLUGINS, or add 'trikv' to it) or import trikv.vllm before creating the "
+                        f"engine ({REQUEST_CHECKS_ENV}=1 marks the processes that have them)")
     if vllm_config.model_config.runner_type != "generate":
         problems.append(f"runner {vllm_config.model_config.runner_type!r}: trikv bounds the KV of generation")
     if problems:

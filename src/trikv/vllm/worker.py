@@ -10,8 +10,17 @@
    offset from the slot of every new token and from its sequence length in that group's attention metadata:
    attention and KV writes use the compacted length, RoPE keeps the logical positions. A hybrid model's
    sliding-window groups keep vLLM's logical lengths and slots (their window's blocks).
-Only vLLM's V1 model runner is supported (the CPU build always runs it; on CUDA set
+Only vLLM's V1 model runner is supported (the CPU build always runs it; on CUDA trikv's engine arguments set
 VLLM_USE_V2_MODEL_RUNNER=0).
+
+CUDA graphs: the slot mapping, block table and positions the step's kernels read are vLLM's persistent buffers,
+rewritten in place (the block table's stale ids past a compacted request's kept blocks are cleared); the
+compacted sequence lengths live in attention metadata built for the step, which attention reads only when it
+runs outside graphs. So PIECEWISE graphs (attention and KV writes between the captured pieces) are safe and FULL
+graphs are not: a mode with FULL graphs is refused when the runner has resolved it (`support.graph_mode_problem`).
+Memory: on accelerators vLLM's KV pool is reduced by the rounds' workspace and by every running request's kept
+positions (int32 per kept entry), and a `round_workspace_bytes` below the floor of a `max_model_len`-token
+request's round is refused at start-up.
 """
 
 from __future__ import annotations
@@ -26,10 +35,10 @@ from ..architectures import config_shape
 from ..calibration import load_stats
 from ..fast import accelerate
 from ..geometry import RopeGeometry
-from .compactor import Compactor, StepPlan
+from .compactor import Compactor, StepPlan, request_state_bytes
 from .pages import PageCodec
-from .settings import BoundedKVSettings
-from .support import check_model
+from .settings import BoundedKVSettings, SettingsError
+from .support import UnsupportedEngineError, check_model, graph_mode_problem
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +109,10 @@ class BoundedKVRunner:
     def execute_model(self, scheduler_output, intermediate_tensors=None):
         if self.trikv_compactor is not None:
             self._trikv_before_step(scheduler_output, getattr(scheduler_output, "trikv", None))
-        return super().execute_model(scheduler_output, intermediate_tensors)
+        try:
+            return super().execute_model(scheduler_output, intermediate_tensors)
+        finally:
+            self._trikv_row_offsets = None  # a later dummy batch (idle data-parallel rank) must not inherit them
 
     def _trikv_before_step(self, scheduler_output, plan: StepPlan | None) -> None:
         compactor = self.trikv_compactor
@@ -120,7 +132,8 @@ class BoundedKVRunner:
             state = self.requests[op.request_id]
             del state.block_ids[group][op.kept_blocks :]
             row = self.input_batch.req_id_to_index.get(op.request_id)
-            if row is not None:
+            if row is not None:  # the row rewritten whole: no stale block id past the kept ones
+                self.input_batch.block_table.clear_row(row)
                 self.input_batch.block_table.add_row(state.block_ids, row)
 
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
@@ -137,8 +150,9 @@ class BoundedKVRunner:
         if not bool(offsets.any()):
             return
         self._trikv_row_offsets = offsets
-        token_offsets = offsets.to(self.positions.device)[self.req_indices.gpu[:total_tokens].long()]  # [tokens]
+        token_offsets = _to_device(offsets, self.positions.device)[self.req_indices.gpu[:total_tokens].long()]  # [tokens]
         physical = self.positions[:total_tokens] - token_offsets
+        # written in place into the group's persistent slot-mapping buffer (what the KV writes read)
         self.input_batch.block_table[self._trikv_group].compute_slot_mapping(
             num_reqs, self.query_start_loc.gpu[: num_reqs + 1], physical)
 
@@ -160,7 +174,8 @@ def _physical_metadata(attn_group, runner) -> None:
             rows = common_attn_metadata.num_reqs
             shift = torch.zeros(rows, dtype=torch.int64)
             shift[: min(rows, len(offsets))] = offsets[:rows]
-            seq_lens = common_attn_metadata.seq_lens - shift.to(common_attn_metadata.seq_lens.device, common_attn_metadata.seq_lens.dtype)
+            seq_lens = common_attn_metadata.seq_lens - _to_device(shift, common_attn_metadata.seq_lens.device).to(
+                common_attn_metadata.seq_lens.dtype)
             upper = common_attn_metadata.seq_lens_cpu_upper_bound
             if upper is not None:
                 upper = upper - shift.to(upper.dtype)
@@ -169,6 +184,15 @@ def _physical_metadata(attn_group, runner) -> None:
         return build(common_attn_metadata, *args, **kwargs)
 
     attn_group.build_metadata = build_physical
+
+
+def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on `device` without waiting for the device (pinned, queued on the stream on CUDA)."""
+    if device.type == "cpu":
+        return host
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
 
 
 _RUNNER_CLASSES: dict[type, type] = {}
@@ -206,21 +230,30 @@ class TriKVWorker(_PlatformWorker):
             self.model_runner.trikv_bind(self._trikv_compactor())
 
     def determine_available_memory(self) -> int:
-        """vLLM's KV pool size less the rounds' workspace on accelerators, so that the memory profile stays true
-        (on CPU the KV space is a fixed setting and rounds use ordinary host memory)."""
+        """vLLM's KV pool size less what trikv holds on accelerators, so that the memory profile stays true: the
+        rounds' workspace and the kept positions of up to `max_num_seqs` compacted requests (on CPU the KV space
+        is a fixed setting and rounds use ordinary host memory)."""
         available = super().determine_available_memory()
         if getattr(self, "trikv", None) is None or current_platform.is_cpu():
             return available
-        log.info("trikv: %.0f MiB of the KV pool reserved for compaction rounds (round_workspace_bytes)",
-                 self.trikv.round_workspace_bytes / 2**20)
-        return max(0, available - self.trikv.round_workspace_bytes)
+        reserved = trikv_reserved_bytes(self.trikv, self.vllm_config)
+        log.info("trikv: %.0f MiB of the KV pool reserved for compaction rounds (round_workspace_bytes %.0f MiB) and the "
+                 "kept positions of %d requests", reserved / 2**20, self.trikv.round_workspace_bytes / 2**20,
+                 self.vllm_config.scheduler_config.max_num_seqs)
+        return max(0, available - reserved)
 
     def initialize_from_config(self, *args, **kwargs):
         super().initialize_from_config(*args, **kwargs)
         if getattr(self, "trikv", None) is not None:
+            problem = graph_mode_problem(self.vllm_config.compilation_config)  # as the model runner resolved it
+            if problem is not None:
+                raise UnsupportedEngineError(f"trikv cannot run with this vLLM configuration: {problem}")
             shape = config_shape(self.vllm_config.model_config.hf_config)
             kv_heads = local_kv_heads(shape.num_kv_heads, *_tp())
             self.model_runner.trikv_learn_pages(shape.cached_layers, len(kv_heads), shape.head_dim)
+            runner = self.model_runner
+            check_round_floor(runner.trikv_compactor, runner._trikv_caches[0], runner._trikv_codecs[0],
+                              len(shape.cached_layers), self.vllm_config.model_config.max_model_len)
 
     def _trikv_compactor(self) -> Compactor:
         settings = self.trikv
@@ -261,6 +294,30 @@ class TriKVWorker(_PlatformWorker):
         return {"rounds": compactor.rounds, "seconds": compactor.seconds, "max_running": compactor.max_running,
                 "preemptions": compactor.preemptions, "compacted_requests": compactor.compacted_requests,
                 "compacted_running": sorted(compactor.kept_positions)}
+
+
+def trikv_reserved_bytes(settings: BoundedKVSettings, vllm_config, kv_heads: int | None = None) -> int:
+    """Accelerator bytes trikv holds beside vLLM's KV pool on one worker (`kv_heads`: its KV heads, default this
+    tensor-parallel rank's): the rounds' workspace, and the kept positions of `max_num_seqs` compacted requests at
+    the largest budget a request may have."""
+    shape = config_shape(vllm_config.model_config.hf_config)
+    heads = kv_heads if kv_heads is not None else len(local_kv_heads(shape.num_kv_heads, *_tp()))
+    budget = max(settings.budget, settings.max_request_budget or 0)
+    state = request_state_bytes(len(shape.cached_layers), heads, budget)
+    return settings.round_workspace_bytes + vllm_config.scheduler_config.max_num_seqs * state
+
+
+def check_round_floor(compactor: Compactor, cache: torch.Tensor, codec: PageCodec, layers: int, max_model_len: int) -> None:
+    """Refuse a round workspace smaller than the smallest chunk a `max_model_len`-token request's round needs."""
+    slots = -(-max_model_len // codec.block_size) * codec.block_size
+    floor = compactor.floor_bytes(layers, codec.num_heads, slots, codec.head_dim, cache.element_size(),
+                                  codec.plan(cache).index_bytes_per_slot)
+    if floor > compactor.round_workspace_bytes:
+        raise SettingsError(
+            f"round_workspace_bytes {compactor.round_workspace_bytes:,} is below what one compaction round of a "
+            f"{max_model_len}-token request needs at the least ({floor:,} bytes: one chunk of what "
+            f"{type(compactor.policy).__name__} cannot split further, over {slots} slots): raise round_workspace_bytes "
+            f"to at least {floor:,} or lower max_model_len")
 
 
 def local_kv_heads(num_kv_heads: int, rank: int, world: int) -> list[int]:
