@@ -28,18 +28,29 @@ PIECEWISE CUDA graphs (attention outside the graphs); `support.py` refuses the r
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import shlex
 
-from . import frontend
 from ..settings import DEFAULT_BUDGET, DEFAULT_DIVIDE_LENGTH, DEFAULT_METHOD, DEFAULT_MIN_DECODE_ROOM
-from .settings import (CONFIG_KEY, MIN_BUDGET, REQUEST_BUDGET_KEY, BoundedKVSettings, RequestSettingsError, SettingsError,
-                       serving_methods)
-from .support import (CUDAGRAPH_MODE, SUPPORTED_VLLM, V2_RUNNER_ENV, UnsupportedEngineError, check_model,
-                      check_vllm_version)
 
-frontend.register()  # the request checks, also where vLLM's plugin entry points are not loaded
+# public name -> submodule, imported on first use: `import trikv.vllm` (and the `trikv` command's parser) stays
+# light; vLLM and torch load when an engine is configured
+_EXPORTS = {
+    "serving_methods": "settings", "BoundedKVSettings": "settings", "SettingsError": "settings",
+    "RequestSettingsError": "settings", "REQUEST_BUDGET_KEY": "settings", "MIN_BUDGET": "settings",
+    "CONFIG_KEY": "settings", "UnsupportedEngineError": "support", "SUPPORTED_VLLM": "support",
+    "check_vllm_version": "support", "check_model": "support",
+}
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    globals()[name] = value
+    return value
 
 SCHEDULER_CLASS = "trikv.vllm.scheduler.TriKVScheduler"
 WORKER_CLASS = "trikv.vllm.worker.TriKVWorker"
@@ -71,9 +82,14 @@ def engine_args(
     graphs). They also set `VLLM_USE_V2_MODEL_RUNNER=0` in this process's environment (inherited by vLLM's engine
     processes: the V2 runner is vLLM 0.32's CUDA default, and trikv runs on V1); a value selecting V2 is refused.
     """
+    from . import frontend
+    from .settings import CONFIG_KEY, BoundedKVSettings
+    from .support import CUDAGRAPH_MODE, check_model, check_vllm_version
+
     check_vllm_version()
     if method == "full":
         return {}
+    frontend.register()  # the request checks in this process (`LLM`), where vLLM's plugin entry points are not loaded
     select_v1_runner()
     settings_only = ("allow_untested_platform", "record_rounds", "round_workspace_bytes", "max_request_budget", "allow_full_requests",
                      "max_rounds_per_step")
@@ -104,6 +120,8 @@ def engine_args(
 def select_v1_runner() -> None:
     """Set `VLLM_USE_V2_MODEL_RUNNER=0` in this process's environment (vLLM's engine processes inherit it);
     refuse a value that selects the V2 runner."""
+    from .support import V2_RUNNER_ENV, UnsupportedEngineError
+
     value = os.environ.get(V2_RUNNER_ENV)
     if value is not None and value.strip() != "0":
         raise UnsupportedEngineError(f"{V2_RUNNER_ENV}={value} selects vLLM's V2 model runner, which trikv does not "
@@ -133,6 +151,7 @@ def serve_flags_text(**settings) -> str:
 
 __all__ = [
     "engine_args",
+    "select_v1_runner",
     "serve_flags",
     "serve_flags_text",
     "serving_methods",

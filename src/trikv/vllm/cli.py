@@ -112,6 +112,8 @@ def cmd_serve(args) -> int:
         print(shown)
         return 0
     print(f"[trikv] {shown}", flush=True)
+    print("[trikv] starting vLLM's OpenAI server: loading the model and allocating the KV pool take a minute or two "
+          "on a CPU; vLLM logs 'Application startup complete' when it answers", flush=True)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
     if "VLLM_PLUGINS" not in os.environ:  # serve GET /trikv/stats too (vLLM loads named endpoint plugins only)
         from .endpoint import plugins_setting

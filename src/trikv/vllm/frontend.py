@@ -17,7 +17,7 @@ unknown top-level fields are dropped), the raw body is checked too: a boolean `t
 and a top-level `trikv*` field (settings sent beside `vllm_xargs` instead of inside it), get HTTP 400.
 
 `register()` installs the checks. It runs as a vLLM general plugin (the `vllm.general_plugins` entry point, so
-also in the API server of a plain `vllm serve` with trikv's flags) and when `trikv.vllm` is imported; engines
+also in the API server of a plain `vllm serve` with trikv's flags) and when `trikv.vllm.engine_args` is called; engines
 without trikv settings are not affected. It also marks the process environment (`REQUEST_CHECKS_ENV`), which
 vLLM's engine processes inherit: the scheduler refuses to start without the mark, since a front end without
 these checks would let beam search through unseen (the engine cannot tell a beam step from an ordinary

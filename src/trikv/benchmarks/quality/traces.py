@@ -96,7 +96,7 @@ def problems_for(model: str, split: str) -> list[str]:
 def write_traces(model_name: str, split: str, seed: int = 0, dtype: str = "float32", engine: str = "lean",
                  batch: int = 16, min_tokens: int = MIN_TOKENS, command: str | None = None, log=print,
                  extend: bool = False, temperature: float = TEMPERATURE, top_p: float = TOP_P,
-                 top_k: int = 0, out: str | Path | None = None) -> list[Trace]:
+                 top_k: int = 0, out: str | Path | None = None, progress: bool = True) -> list[Trace]:
     """Sample `split`'s traces of `model_name` with full attention and write them into its trace file (the other
     split's rows are kept). Attempt a (0-based) of every problem still short is sampled in one batch with seed
     `seed + a`; an attempt may write up to the tokens its problem still lacks (+ 64). An attempt that loops
@@ -148,7 +148,8 @@ def write_traces(model_name: str, split: str, seed: int = 0, dtype: str = "float
             group = short[first:first + batch]
             missing = max(min_tokens - _length(pieces[pid], separator) for pid in group)
             result = generate(model, tokenizer, [prompts[pid] for pid in group], method="full", max_new_tokens=missing + 64,
-                              do_sample=True, seed=seed + attempt, engine=engine, halt_rows=loops, **sampling)
+                              do_sample=True, seed=seed + attempt, engine=engine, halt_rows=loops, progress=progress,
+                              **sampling)
             kept = 0
             for pid, tokens in zip(group, result.tokens):
                 tokens = [t for t in tokens if t not in eos]
@@ -230,6 +231,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ship", action="store_true",
                         help="write into the trace file trikv ships (what `trikv bench quality --traces` reads)")
     parser.add_argument("--out", help="trace file to write without --ship (default runs/traces/MODEL.jsonl)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars (the per-attempt lines stay)")
     parser.add_argument("--assess", action="store_true",
                         help="only recompute the validity figures of the shipped traces (no sampling)")
     parser.add_argument("--extend", action="store_true",
@@ -247,7 +249,8 @@ def main(argv: list[str] | None = None) -> None:
     out = None if args.ship else Path(args.out or Path("runs") / "traces" / f"{args.model}.jsonl")
     traces = (assess_traces(args.model, args.split) if args.assess else
               write_traces(args.model, args.split, args.seed, args.dtype, engine=args.engine, batch=args.batch, command=command,
-                           extend=args.extend, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, out=out))
+                           extend=args.extend, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, out=out,
+                           progress=not args.no_progress))
     for trace in traces:
         figures = trace.validity
         print(f"{trace.name}: {trace.tokens} tokens in {len(trace.seeds)} attempt(s) ({len(trace.rejected_seeds)} rejected); "
