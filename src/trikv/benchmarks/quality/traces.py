@@ -137,7 +137,8 @@ def write_traces(model_name: str, split: str, seed: int = 0, dtype: str = "float
     eos = set([tokenizer.eos_token_id] if isinstance(tokenizer.eos_token_id, int) else tokenizer.eos_token_id or [])
 
     def loops(generated: "torch.Tensor") -> list[bool]:  # [rows, steps]: stop an attempt once it is a loop
-        return [longest_repeat(row) > MAX_REPEAT_SHARE * min_tokens for row in generated.tolist()]
+        rows = generated.tolist()  # a row that wrote EOS has finished: left alone
+        return [not eos.intersection(row) and longest_repeat(row) > MAX_REPEAT_SHARE * min_tokens for row in rows]
 
     sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k}
     for attempt in range(first_attempt, MAX_ATTEMPTS):

@@ -51,20 +51,46 @@ def compression_ratio(text: str) -> float:
     return len(zlib.compress(raw, 9)) / max(1, len(raw))
 
 
+def suffix_array(ids) -> np.ndarray:
+    """Start positions of the suffixes of `ids` in sorted order (prefix doubling: O(n log^2 n), also for loops)."""
+    array = np.asarray(ids, dtype=np.int64)
+    n = len(array)
+    rank = np.unique(array, return_inverse=True)[1].astype(np.int64)
+    order = np.argsort(rank, kind="stable")
+    step = 1
+    while step < n:
+        second = np.full(n, -1, dtype=np.int64)
+        second[: n - step] = rank[step:]
+        order = np.lexsort((second, rank))
+        changed = np.ones(n, dtype=np.int64)
+        changed[1:] = (rank[order[1:]] != rank[order[:-1]]) | (second[order[1:]] != second[order[:-1]])
+        rank = np.empty(n, dtype=np.int64)
+        rank[order] = np.cumsum(changed) - 1
+        if rank.max() == n - 1:
+            break
+        step *= 2
+    return order
+
+
 def longest_repeat(ids: list[int]) -> int:
-    """Length of the longest run of tokens that occurs at least twice in `ids` (overlapping occurrences count)."""
+    """Length of the longest run of tokens that occurs at least twice in `ids` (overlapping occurrences count): the
+    longest common prefix of two neighbouring suffixes in sorted order (Kasai's LCP walk, linear)."""
     n = len(ids)
     if n < 2:
         return 0
-    array = np.asarray(ids, dtype=np.int64)
-    order = sorted(range(n), key=lambda start: ids[start:])  # suffix array: a repeat is a prefix two neighbours share
-    best = 0
-    for first, second in zip(order, order[1:]):
-        span = n - max(first, second)
-        if span <= best:
+    order = suffix_array(ids)
+    rank = np.empty(n, dtype=np.int64)
+    rank[order] = np.arange(n)
+    best = common = 0
+    for start in range(n):
+        if rank[start] == 0:
+            common = 0
             continue
-        differs = np.flatnonzero(array[first : first + span] != array[second : second + span])
-        best = max(best, int(differs[0]) if differs.size else span)
+        other = int(order[rank[start] - 1])
+        while start + common < n and other + common < n and ids[start + common] == ids[other + common]:
+            common += 1
+        best = max(best, common)
+        common = max(common - 1, 0)
     return best
 
 
