@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # The paper's setting on one CUDA GPU: a reasoning model, AIME 2024 + 2025, 8 samples per problem (T 0.6, top-p 0.95),
-# up to 32K new tokens, budget 2048; full attention, TriAttention, the pre-registered candidate, R-KV and SnapKV under
+# up to 32K new tokens, budget 2048; full attention, TriAttention, the pre-registered triattention-dedup, R-KV and SnapKV under
 # one rule (the same trigger, prompt protection, budget accounting and dtype). Not run on the CPU machine trikv is
 # developed on: no reasoning model ships there and 32K-token generations of a 7B model need a GPU.
 #
+# Usage:
 #   bash scripts/bench_paper_setting.sh [MODEL] [BUDGET]
+#   bash scripts/bench_paper_setting.sh --help
 #   MODEL:  a hub id or local folder (default deepseek-ai/DeepSeek-R1-Distill-Qwen-7B, one of the paper's models)
 #   BUDGET: KV entries per layer and head (default 2048)
 #
@@ -12,6 +14,10 @@
 # the math evaluation skips), (2) its pre-RoPE query statistics, (3) the accuracy run, then its report page.
 # Expect hours on an H100/H200: 60 problems x 8 samples x 5 methods, answers of up to 32K tokens.
 set -euo pipefail
+case "${1:-}" in
+  -h|--help) sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+  -*) echo "bench_paper_setting.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
+esac
 cd "$(dirname "$0")/.."
 . .venv/bin/activate
 model=${1:-deepseek-ai/DeepSeek-R1-Distill-Qwen-7B}

@@ -3,8 +3,8 @@
 `triattention-dedup` subtracts a z-scored key-redundancy term from TriAttention's z-scored score (with the 32
 newest tokens kept). Its weight is chosen here by teacher-forced KL(full || compressed), averaged over budgets,
 on a model's own calibration text: the reasoning it sampled on the MATH-500 rows reserved for calibration,
-which every benchmark excludes. Weight 0 is `triattention-recent`. Writes the sweep to
-src/trikv/data/calibration/triattention-dedup-weight.json (the default in policies/tri_dedup.py cites it).
+which every benchmark excludes. Weight 0 is `triattention-recent`. Writes the sweep to runs/tuning/ (--ship:
+src/trikv/data/calibration/triattention-dedup-weight.json; the default in policies/tri_dedup.py cites it).
 
     python scripts/tune_dedup_weight.py [--model qwen2.5-coder-1.5b] [--tokens 2048] [--budgets 128,256]
 """
@@ -15,12 +15,13 @@ import argparse
 import json
 import os
 import time
+from pathlib import Path
 
 import torch
 from calibration_task import ROOT, calibration_task, calibration_text, measure_kl, sweep_option
 
 
-OUT = ROOT / "src/trikv/data/calibration/triattention-dedup-weight.json"
+SHIPPED = ROOT / "src/trikv/data/calibration/triattention-dedup-weight.json"
 
 
 def main() -> None:
@@ -31,7 +32,13 @@ def main() -> None:
     parser.add_argument("--budgets", default="128,256")
     parser.add_argument("--divide-length", type=int, default=128)
     parser.add_argument("--weights", default="0,0.25,0.5,1,2")
+    parser.add_argument("--out", help="where to write the sweep (default runs/tuning/ plus the shipped file's name)")
+    parser.add_argument("--ship", action="store_true", help="write the sweep trikv ships (the method's default cites it)")
     args = parser.parse_args()
+    if args.ship and args.out:
+        parser.error("give either --out or --ship")
+    out = SHIPPED if args.ship else Path(args.out or Path("runs") / "tuning" / SHIPPED.name)
+    out.parent.mkdir(parents=True, exist_ok=True)
     model, stats, ids, task = calibration_task(args.tokens, args.prompt, args.model)
     budgets = [int(b) for b in args.budgets.split(",")]
     started = time.perf_counter()
@@ -54,7 +61,7 @@ def main() -> None:
         "best": best,
         "seconds": time.perf_counter() - started,
     }
-    OUT.write_text(json.dumps(record, indent=2) + "\n")
+    out.write_text(json.dumps(record, indent=2) + "\n")
     print(json.dumps(record["best"]))
 
 

@@ -3,7 +3,7 @@
 The hybrid (`tri-am`) fits biases and values against queries drawn from the calibration statistics; its two
 ridge coefficients are chosen here by teacher-forced KL(full || compressed) on the bundled model's own
 calibration text (the MATH-500 traces its statistics come from), which no benchmark evaluates. Writes the
-sweep to src/trikv/data/calibration/tri-am-ridge.json (the defaults in policies/hybrid.py cite it).
+sweep to runs/tuning/ (--ship: src/trikv/data/calibration/tri-am-ridge.json; the defaults in policies/hybrid.py cite it).
 
     python scripts/tune_hybrid_ridge.py [--tokens 1024] [--budget 128]
 """
@@ -14,12 +14,13 @@ import argparse
 import itertools
 import json
 import time
+from pathlib import Path
 
 from calibration_task import ROOT, TEXT, calibration_task
 
 import trikv
 
-OUT = ROOT / "src/trikv/data/calibration/tri-am-ridge.json"
+SHIPPED = ROOT / "src/trikv/data/calibration/tri-am-ridge.json"
 
 
 def main() -> None:
@@ -29,7 +30,13 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=128)
     parser.add_argument("--divide-length", type=int, default=64)
     parser.add_argument("--ridges", default="0.001,0.01,0.1,1.0")
+    parser.add_argument("--out", help="where to write the sweep (default runs/tuning/ plus the shipped file's name)")
+    parser.add_argument("--ship", action="store_true", help="write the sweep trikv ships (the method's default cites it)")
     args = parser.parse_args()
+    if args.ship and args.out:
+        parser.error("give either --out or --ship")
+    out = SHIPPED if args.ship else Path(args.out or Path("runs") / "tuning" / SHIPPED.name)
+    out.parent.mkdir(parents=True, exist_ok=True)
     model, stats, ids, task = calibration_task(args.tokens, args.prompt)
     common = dict(budget=args.budget, divide_length=args.divide_length, stats=stats)
     started = time.perf_counter()
@@ -48,9 +55,9 @@ def main() -> None:
         "triattention": {"kl": baseline["kl"], "top1_agreement": baseline["top1_agreement"]},
         "sweep": sweep, "best": best, "seconds": time.perf_counter() - started,
     }
-    OUT.write_text(json.dumps(record, indent=2) + "\n")
+    out.write_text(json.dumps(record, indent=2) + "\n")
     print(f"best: beta_ridge {best['beta_ridge']:g}, value_ridge {best['value_ridge']:g} (KL {best['kl']:.4f}; "
-          f"TriAttention alone {baseline['kl']:.4f}) -> {OUT}")
+          f"TriAttention alone {baseline['kl']:.4f}) -> {out}")
 
 
 if __name__ == "__main__":
