@@ -29,8 +29,11 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 # A venv this script already set up with the same inputs (options, pinned ranges, this script) is left as it is:
 # a second run takes a second instead of a minute of pip resolving (delete $VENV/.trikv-setup to force it).
 STAMP="$VENV/.trikv-setup"
-INPUTS=$(cat pyproject.toml "$0" | sha256sum | cut -d' ' -f1)-$WITH_VLLM-$EXTRAS-${TRIKV_TRANSFORMERS:-}-${TRIKV_TORCH_SPEC:-}
-if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$INPUTS" ] && python -c "import trikv, torch" 2>/dev/null; then
+inputs() { echo "$(cat pyproject.toml "$0" | sha256sum | cut -d' ' -f1)-$1-$EXTRAS-${TRIKV_TRANSFORMERS:-}-${TRIKV_TORCH_SPEC:-}"; }
+INPUTS=$(inputs $WITH_VLLM)
+# a venv set up with vLLM also serves a run without it (scripts/demo.sh after scripts/test.sh)
+if [ -f "$STAMP" ] && { [ "$(cat "$STAMP")" = "$INPUTS" ] || [ "$(cat "$STAMP")" = "$(inputs 1)" ]; } \
+        && python -c "import trikv, torch" 2>/dev/null; then
     exit 0
 fi
 if ! python -c "import torch" 2>/dev/null; then

@@ -44,7 +44,6 @@ def loaded(request):
     name = request.param
     if not _available(name):
         pytest.skip(f"{name}'s weights are not on this machine (TRIKV_TEST_ALL_MODELS=1 fetches them)")
-    torch.set_num_threads(2)
     model, tokenizer = models.load_model(name)
     return name, model, tokenizer
 
@@ -78,7 +77,6 @@ def test_known_prompt_is_answered_sanely(loaded):
 def test_a_model_without_its_bos_is_caught():
     """Gemma-3 fed without BOS degenerates; the check says so (and so can fail on a broken framing)."""
     model, tokenizer = models.load_model("gemma3-270m")
-    torch.set_num_threads(2)
     ids = tokenizer("The capital of France is", add_special_tokens=False)["input_ids"]
     out = model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)
     assert degenerate(tokenizer.decode(out[0, len(ids):]))

@@ -79,19 +79,6 @@ def test_bundled_stats_match_bundled_model(model_and_stats):
     stats.check_matches(model)
 
 
-def test_demo_command_runs_end_to_end():
-    result = subprocess.run(
-        [sys.executable, "-m", "trikv.cli", "demo", "--new-tokens", "48", "--budget", "32", "--divide-length", "8", "--compare-first", "40"],
-        capture_output=True, text=True, timeout=600,
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
-    out = result.stdout
-    for needle in ("KV cache bytes, peak", "decode tokens/s", "agreement, first 40 tokens", "full attention, first lines", "TriAttention, first lines"):
-        assert needle in out
-    assert "compression rounds" in out
-    assert "engine: lean" in out
-
-
 def test_generate_command_with_streaming(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "trikv.cli", "generate", "--prompt", "Count to ten.", "--method", "streaming", "--budget", "16",

@@ -167,3 +167,24 @@ def test_an_empty_seed_text_is_an_error_not_a_loop(monkeypatch):
 
     with pytest.raises(ValueError, match="encode to no tokens"):
         filling.seed_text_ids(Silent(), 100, 64)
+
+
+def test_a_target_row_names_the_compute_floor_when_the_run_measured_it():
+    """Full attention at a context of B tokens is the fastest a B-entry cache can step; the row says what share of
+    the speed-up that floor allows was reached (full's time / the floor's time), from the record's own numbers."""
+    from trikv.benchmarks.speed_report import targets
+
+    def cell(method, context, budget, ms, bound_ms, speedup=None, bound_speedup=None):
+        return {"engine": "lean", "batch": 8, "context": context, "method": method, "budget": budget, "ms_p50": ms,
+                "bound_ms": bound_ms, "speedup_vs_full": speedup, "bound_speedup_vs_full": bound_speedup,
+                "efficiency_vs_bound": None if speedup is None else speedup / bound_speedup, "scoring_share": 0.01,
+                "p99_over_p50": 1.1, "spread": True}
+
+    record = {"results": [cell("full", 256, None, 70.0, 15.0), cell("full", 16384, None, 560.0, 160.0),
+                          cell("triattention", 16384, 256, 80.0, 16.0, speedup=7.0, bound_speedup=10.0)]}
+    row = next(r for r in targets(record) if "16K, triattention B=256" in r[0])
+    assert row[2] is False  # the target is the memory bound's; the floor only explains the gap
+    assert "x7.00 vs bound x10.00 (70%)" in row[1]
+    assert "256-token context takes 70.0 ms" in row[1] and "at most x8.00 is attainable: 88% of it" in row[1]
+    record["results"] = record["results"][1:]  # no floor measured: nothing claimed
+    assert "attainable" not in next(r for r in targets(record) if "B=256" in r[0])[1]

