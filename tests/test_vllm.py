@@ -944,8 +944,12 @@ def test_serving_benchmark_runs_offline_and_over_http_and_renders_its_page(tmp_p
         assert climbed[0]["concurrency"] == 2 and entry["tokens_per_second"] == max(r["output_tokens_per_second"] for r in sustained)
         assert entry["floor_tokens_per_second"] > 0 and entry["stopped"]
     assert best["triattention"]["best_vs_full_best"] == pytest.approx(best["triattention"]["tokens_per_second"] / best["full"]["tokens_per_second"])
-    bounded = next(r for r in offline["runs"] if r["method"] == "triattention")
-    assert bounded["trikv"]["rounds"] > 0 and best["triattention"]["compaction_share"] > 0
+    bounded = [r for r in offline["runs"] if r["method"] == "triattention"]
+    assert any(r["trikv"]["rounds"] > 0 for r in bounded)  # the bounded engine compacted
+    # the best rung's compaction share is its own rounds' time: zero where its window ended before any round (a
+    # timed window on a busy machine may), positive otherwise
+    best_run = next(r for r in bounded if r["concurrency"] == best["triattention"]["best_concurrency"])
+    assert (best["triattention"]["compaction_share"] > 0) == (best_run["trikv"]["seconds"] > 0)
     http = json.loads((tmp_path / "http" / "serving.json").read_text())["runs"]
     assert http[0]["mode"] == "http" and http[0]["output_tokens"] > 0
     assert (tmp_path / "offline" / "throughput.png").stat().st_size > 1000
