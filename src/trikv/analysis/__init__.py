@@ -9,7 +9,7 @@ texts), `plots`, `report` (verdict and Markdown), `runner` (`run_analysis`), `cl
 
 from __future__ import annotations
 
-import importlib
+from ..lazy import lazy_getattr
 
 # public name -> (module, attribute), imported on first use (`trikv analyze --help` does not load torch)
 _EXPORTS = {
@@ -27,15 +27,4 @@ _EXPORTS = {
 __all__ = list(_EXPORTS)
 
 
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        try:  # a submodule (`speed.peers`), as after an eager import
-            return importlib.import_module(f".{name}", __name__)
-        except ModuleNotFoundError as error:
-            if error.name != f"{__name__}.{name}":
-                raise
-            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
-    module, attribute = _EXPORTS[name]
-    value = getattr(importlib.import_module(module, __name__), attribute)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _EXPORTS)

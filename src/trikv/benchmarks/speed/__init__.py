@@ -30,7 +30,7 @@ bundled GGUF at the same context lengths with its full cache, batch 1, in the sa
 
 from __future__ import annotations
 
-import importlib
+from ...lazy import lazy_getattr
 
 from . import cli  # registers `trikv bench speed` (light: the measuring modules load when a run starts)
 
@@ -45,14 +45,4 @@ _EXPORTS = {
 __all__ = [*_EXPORTS, "cli"]
 
 
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        try:  # a submodule (`speed.peers`), as after an eager import
-            return importlib.import_module(f".{name}", __name__)
-        except ModuleNotFoundError as error:
-            if error.name != f"{__name__}.{name}":
-                raise
-            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
-    value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, {name: (f".{module}", name) for name, module in _EXPORTS.items()})
