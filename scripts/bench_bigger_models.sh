@@ -12,6 +12,7 @@
 #   heldout2  the second pre-registered test (docs/preregistration.json, heldout-2): B = 128 then 256 (~4 h each)
 #   fidelity  fidelity and recall on each model's valid evaluation traces, the whole field, B = 128 (~0.5-1.5 h each)
 #   heldout1  the first pre-registered test again (rows 300-399, B = 128, ~3 h), for its section and the pooled figure
+#             (both held-out steps keep their answers in docs/runs/ after every chunk and resume from that copy)
 #   design    the diagnosis on the 1.5B's design traces (~25 min)
 #   report    docs/results.md from the run folders (results.json kept in docs/runs/ so the page can be rebuilt)
 #   analysis  Q/K concentration of every bundled model -> docs/analysis.md (~3 min)
@@ -43,6 +44,21 @@ keep() {  # the run's results.json and plots beside the page, so docs/results.md
   mkdir -p "docs/runs/$(basename "$1")"
   cp "$1/results.json" "$1"/*.png "docs/runs/$(basename "$1")/" 2>/dev/null || true
 }
+keep_answers() {  # a math run's config and answers (units/*.json) too, after every chunk: they are the raw data a
+  # reviewer checks, and a machine that loses runs/ resumes from them (restore_answers)
+  keep "$1"
+  mkdir -p "docs/runs/$(basename "$1")/units"
+  cp "$1/config.json" "docs/runs/$(basename "$1")/"
+  cp "$1"/units/*.json "docs/runs/$(basename "$1")/units/"
+}
+restore_answers() {  # a run folder absent from runs/ starts from the kept copy of its answers
+  if [ ! -d "$1/units" ] && [ -d "docs/runs/$(basename "$1")/units" ]; then
+    mkdir -p "$1/units"
+    cp "docs/runs/$(basename "$1")/config.json" "$1/"
+    cp "docs/runs/$(basename "$1")"/units/*.json "$1/units/"
+    echo "resuming $1 from docs/runs/$(basename "$1")"
+  fi
+}
 
 # ---- docs/results.md ------------------------------------------------------------------------------------------
 if wants traces; then
@@ -59,7 +75,10 @@ if wants gemma3; then
 fi
 if wants heldout2; then
   heldout2=$(python -c "print(','.join(f'math500-{i}' for i in [*range(137, 200), *range(433, 500)]))")
+  restore_answers runs/quality/qwen2.5-coder-1.5b-heldout2
+  budgets=""
   for budget in 128 256; do
+    budgets="${budgets:+$budgets,}$budget"
     for methods in "triattention rkv" "full triattention-dedup snapkv"; do
       for end in 32 64 96 128 130; do
         for method in $methods; do
@@ -67,11 +86,16 @@ if wants heldout2; then
           trikv bench quality --task math --model qwen2.5-coder-1.5b --budgets $budget --samples 1 --math-batch 32 \
             --temperature 0 --max-new-tokens 1024 --problems "$(echo "$heldout2" | cut -d, -f1-$end)" \
             --dtype bfloat16 --threads 2 --no-progress --out runs/quality/qwen2.5-coder-1.5b-heldout2 --methods $method
+          keep_answers runs/quality/qwen2.5-coder-1.5b-heldout2
         done
       done
     done
+    # every finished cell in one results.json (nothing is computed again), which the report reads
+    trikv bench quality --task math --model qwen2.5-coder-1.5b --budgets $budgets --samples 1 --math-batch 32 \
+      --temperature 0 --max-new-tokens 1024 --problems "$heldout2" --dtype bfloat16 --threads 2 --no-progress \
+      --out runs/quality/qwen2.5-coder-1.5b-heldout2 --methods full,triattention,triattention-dedup,rkv,snapkv
+    keep_answers runs/quality/qwen2.5-coder-1.5b-heldout2
   done
-  keep runs/quality/qwen2.5-coder-1.5b-heldout2
 fi
 field=full,triattention,triattention-shared-layers,triattention-window,triattention-recent,triattention-dedup,rkv,snapkv,snapkv-decode,h2o,streaming,tova,tam-shared
 traces=(--task fidelity --traces evaluation --horizons 128,512,1024 --recall-stride 8 --threads 2 --no-progress --methods $field --budgets 128)
@@ -83,6 +107,7 @@ if wants fidelity; then
   for run in qwen2.5-coder-1.5b smollm2-135m gemma3-270m qwen2.5-coder-0.5b; do keep runs/quality/$run-traces; done
 fi
 if wants heldout1; then
+  restore_answers runs/quality/qwen2.5-coder-1.5b-heldout
   candidate=$(python -c "import json; print(json.load(open('docs/preregistration.json'))['tests'][0]['candidate'])")
   for methods in "$candidate rkv" "full triattention snapkv"; do
     for end in 332 364 396 400; do
@@ -90,10 +115,10 @@ if wants heldout1; then
         trikv bench quality --task math --model qwen2.5-coder-1.5b --budgets 128 --samples 1 --math-batch 32 --temperature 0 \
           --max-new-tokens 1024 --problems "$(python -c "print(','.join(f'math500-{i}' for i in range(300, $end)))")" \
           --dtype bfloat16 --threads 2 --no-progress --out runs/quality/qwen2.5-coder-1.5b-heldout --methods $method
+        keep_answers runs/quality/qwen2.5-coder-1.5b-heldout
       done
     done
   done
-  keep runs/quality/qwen2.5-coder-1.5b-heldout
 fi
 if wants design; then
   trikv bench quality --task fidelity --model qwen2.5-coder-1.5b --traces design --budgets 128 \
