@@ -123,3 +123,38 @@ def test_conversion_record_and_refresh_of_an_older_conversion(tmp_path, monkeypa
     assert models.resolve_model_path("gemma3-270m") == str(target)
     assert AutoTokenizer.from_pretrained(target)("a")["input_ids"][0] == 2
     assert models.conversion_record("gemma3-270m")["tokenizer"]["add_bos_token"] is True
+
+
+def test_concurrent_first_uses_convert_once(tmp_path, monkeypatch):
+    """Two processes that load a bundled model for the first time at once (two benchmark runs started together)
+    take turns: one converts, the other finds the finished folder. Without the lock both convert into the same
+    `.partial` folder and the slower one fails to rename it."""
+    import threading
+    import time
+
+    monkeypatch.setenv("TRIKV_HOME", str(tmp_path))
+    conversions = []
+
+    def slow_convert(entry, target):
+        conversions.append(entry.name)
+        time.sleep(0.3)  # long enough for the other caller to arrive while this one works
+        target.mkdir(parents=True)
+        (target / "config.json").write_text("{}")
+        models._write_conversion_record(target, entry, tmp_path / "x.gguf", models.GGUFTokenizerFlags(True, False, 1, 2, None))
+
+    monkeypatch.setattr(models, "_convert_gguf", slow_convert)
+    results, errors = [], []
+
+    def first_use():
+        try:
+            results.append(models.resolve_model_path("smollm2-135m"))
+        except Exception as error:  # noqa: BLE001 - reported by the assertion below
+            errors.append(error)
+
+    callers = [threading.Thread(target=first_use) for _ in range(2)]
+    for caller in callers:
+        caller.start()
+    for caller in callers:
+        caller.join()
+    assert not errors and conversions == ["smollm2-135m"]
+    assert results == [str(tmp_path / "models" / "smollm2-135m")] * 2

@@ -8,9 +8,11 @@ Adding a bundled model is one `register(...)` call.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
@@ -152,6 +154,24 @@ def conversion_record(name: str) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
+@contextlib.contextmanager
+def _first_use_lock(target: Path):
+    """Processes that use a model for the first time at once take turns (an advisory lock beside `target`): the
+    first one converts or downloads, the others then find its result instead of writing the same files."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        import fcntl
+    except ImportError:  # Windows has no flock: concurrent first uses there are not coordinated
+        yield
+        return
+    with open(target.with_name(target.name + ".lock"), "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def _convert_gguf(entry: BundledModel, target: Path) -> None:
     """Dequantise the GGUF once and store it as safetensors + tokenizer files."""
     import torch
@@ -169,6 +189,7 @@ def _convert_gguf(entry: BundledModel, target: Path) -> None:
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     partial = target.with_name(target.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)  # left by a run stopped mid-conversion
     model.save_pretrained(partial)
     tokenizer.save_pretrained(partial)
     (partial / "trikv_source.txt").write_text(f"{entry.package}: {gguf_path.name}\n")
@@ -194,11 +215,16 @@ def resolve_model_path(name_or_path: str) -> str:
     """A bundled name -> its converted folder (converting on first use); paths and hub ids pass through."""
     if name_or_path in REGISTRY:
         target = converted_dir(name_or_path)
-        if not (target / "config.json").exists():
-            target.parent.mkdir(parents=True, exist_ok=True)
-            _convert_gguf(REGISTRY[name_or_path], target)
-        elif (conversion_record(name_or_path) or {}).get("format", 1) < CONVERSION_FORMAT:
-            _refresh_tokenizer(REGISTRY[name_or_path], target)
+
+        def current() -> bool:
+            return (target / "config.json").exists() and (conversion_record(name_or_path) or {}).get("format", 1) >= CONVERSION_FORMAT
+
+        if not current():
+            with _first_use_lock(target):
+                if not (target / "config.json").exists():
+                    _convert_gguf(REGISTRY[name_or_path], target)
+                elif not current():
+                    _refresh_tokenizer(REGISTRY[name_or_path], target)
         return str(target)
     local = os.path.expanduser(name_or_path)
     if os.path.isdir(local):
@@ -260,10 +286,15 @@ def _pip_parts_gguf(filename: str, parts: list[str], sha256: str, size: int) -> 
     def locate() -> Path:
         target = trikv_home() / "gguf" / filename
         verified = target.with_name(target.name + ".sha256")
-        if target.exists() and target.stat().st_size == size and verified.exists() and verified.read_text().strip() == sha256:
-            return target
-        _assemble_from_pip(target, parts, sha256, size)
-        verified.write_text(sha256 + "\n")
+        def assembled() -> bool:
+            return (target.exists() and target.stat().st_size == size and verified.exists()
+                    and verified.read_text().strip() == sha256)
+
+        if not assembled():
+            with _first_use_lock(target):
+                if not assembled():
+                    _assemble_from_pip(target, parts, sha256, size)
+                    verified.write_text(sha256 + "\n")
         return target
 
     return locate
@@ -271,7 +302,6 @@ def _pip_parts_gguf(filename: str, parts: list[str], sha256: str, size: int) -> 
 
 def _assemble_from_pip(target: Path, parts: list[str], sha256: str, size: int) -> None:
     import hashlib
-    import shutil
     import subprocess
     import sys
     import tempfile
