@@ -8,6 +8,11 @@ sys.path.insert(0, os.path.dirname(__file__))
 # scripts/test.sh runs two suites side by side on 2 cores and gives each one thread (TRIKV_TEST_THREADS=1): two
 # processes with two OpenMP threads each would spin-wait for each other's cores
 torch.set_num_threads(int(os.environ.get("TRIKV_TEST_THREADS", min(2, torch.get_num_threads()))))
+if "TRIKV_TEST_THREADS" in os.environ:
+    # and the processes the tests start (vLLM engines, CLI commands) too: torch.set_num_threads does not reach them, and
+    # vLLM's CPU kernels size their OpenMP pool from OMP_NUM_THREADS (a 200-token vLLM run beside the other suite took
+    # 73 s with the default pool of 2, 12 s with 1)
+    os.environ.setdefault("OMP_NUM_THREADS", os.environ["TRIKV_TEST_THREADS"])
 
 
 @pytest.fixture
