@@ -6,9 +6,10 @@
 #                 two sets that run once, here to even out the two suites' times: every command and snippet of the
 #                 README (tests/test_readme.py; it runs the README's vLLM commands with .venv's interpreter) and the
 #                 slow Gemma-3 end-to-end tests
-# The two venvs are set up, and their suites run, side by side (TRIKV_TEST_SERIAL=1: one after the other; each
-# suite then runs torch on one thread per process, as two busy processes share the 2 cores anyway); the upper
-# suite's output follows the first one's. Extra arguments go to both pytest runs.
+# The two venvs are set up side by side; the tests then run in three lanes at once (the .venv suite split into
+# tests/test_vllm.py and the rest, and the upper suite), one torch thread per process (TRIKV_TEST_THREADS=1, which
+# the tests hand on to the processes they start as OMP_NUM_THREADS); TRIKV_TEST_SERIAL=1 runs the lanes one after
+# the other at torch's default threads. Each lane's output is printed in turn. Extra arguments go to every pytest run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 upper_log=$(mktemp)
@@ -36,24 +37,35 @@ run_upper() {
         tests/test_bad_input.py tests/test_kept_sets.py tests/test_geometry_calibration.py tests/test_scoring.py \
         tests/test_model_inputs.py "${ONCE[@]}" -k "not known_prompt and not without_its_bos and not refresh" "$@"
 }
+run_venv() {  # the .venv suite, in two parts: "vllm" (tests/test_vllm.py) or "rest" (every other module)
+    local part=(tests/test_vllm.py)
+    [ "$1" = rest ] && part=(tests "--ignore=tests/test_vllm.py")
+    shift
+    echo "== transformers $(.venv/bin/python -c 'import transformers; print(transformers.__version__)') + vLLM $(.venv/bin/python -c 'import vllm; print(vllm.__version__)')"
+    TRIKV_REQUIRE_VLLM=1 .venv/bin/python -m pytest -q -p no:cacheprovider "${part[@]}" "${ONCE[@]/#/--ignore=}" \
+        -k "not ($GEMMA_ONCE)" "$@"
+}
+lanes=("run_venv vllm" "run_venv rest" "run_upper")
 status=0
 if [ "${TRIKV_TEST_SERIAL:-0}" = 1 ]; then
-    upper_status_file=""
-else
-    export TRIKV_TEST_THREADS=1
-    upper_status_file=$(mktemp)
-    (run_upper "$@" > "$upper_log" 2>&1; echo $? > "$upper_status_file") &
-    upper_run=$!
+    for lane in "${lanes[@]}"; do
+        $lane "$@" || status=1
+    done
+    exit $status
 fi
-echo "== transformers $(.venv/bin/python -c 'import transformers; print(transformers.__version__)') + vLLM $(.venv/bin/python -c 'import vllm; print(vllm.__version__)')"
-TRIKV_REQUIRE_VLLM=1 .venv/bin/python -m pytest -q -p no:cacheprovider tests "${ONCE[@]/#/--ignore=}" -k "not ($GEMMA_ONCE)" "$@" \
-    || status=1
-if [ -z "$upper_status_file" ]; then
-    run_upper "$@" || status=1
-else
-    wait $upper_run || true
-    cat "$upper_log"
-    [ "$(cat "$upper_status_file")" = 0 ] || status=1
-    rm -f "$upper_status_file"
-fi
+# three lanes side by side, one torch thread each: the vLLM tests alone take about as long as the other two suites
+# together, so a third lane keeps both cores busy until the end; each lane has its own pytest base folder
+export TRIKV_TEST_THREADS=1
+work=$(mktemp -d)
+trap 'rm -f "$upper_log"; rm -rf "$work"' EXIT
+pids=()
+for index in "${!lanes[@]}"; do
+    (${lanes[$index]} "$@" --basetemp "$work/tmp$index" > "$work/log$index" 2>&1; echo $? > "$work/status$index") &
+    pids+=($!)
+done
+for index in "${!lanes[@]}"; do
+    wait "${pids[$index]}" || true
+    cat "$work/log$index"
+    [ "$(cat "$work/status$index" 2>/dev/null)" = 0 ] || status=1
+done
 exit $status

@@ -14,7 +14,8 @@ opens once the engine is in its steady regime:
 - full attention: its steady state has the requests' ages spread evenly over [0, length) and the KV pool full,
   which takes tens of minutes of generation to reach; instead slot i's first request carries a prompt of
   i / N x length tokens of real text (a request that has already run that long), the pool fills during their
-  prefill, and the window opens `settle` seconds after the pool is first 95% full (or vLLM first preempts).
+  prefill, and the window opens `settle` seconds after the pool is first 95% full (or vLLM first preempts); where
+  the N requests fit the pool at their full length (it never fills), `settle` seconds after their prefills.
 `warmup_max` caps the warm-up either way. Driven offline (`vllm.LLM`'s engine, stepped here) or over HTTP
 (`trikv serve`, streamed completions; same prompts, same rules).
 """
@@ -163,6 +164,9 @@ def run_offline(spec: dict) -> dict:
     initial = {f"r{i}" for i in range(len(first))}
     finished: set[str] = set()
     pool_full_since = None
+    # N requests of `length` that fit the pool together never fill it (nor are preempted): full attention is in its
+    # steady regime once their prefills are done, and waiting for a full pool would only run out `warmup_max`
+    never_full = spec["concurrency"] * -(-spec["length"] // spec["block_size"]) <= spec["pool_blocks"] - 1
     warm_start = time.perf_counter()
     window_start = window_end = None
     peak_usage = 0.0
@@ -185,6 +189,8 @@ def run_offline(spec: dict) -> dict:
                 ready = initial <= _compacted(llm) | finished
             else:  # the pool has been full for `settle` seconds
                 full = (_metric(metrics, "vllm:num_preemptions") or 0) > 0 or (_metric(metrics, "vllm:kv_cache_usage_perc") or 0) > 0.95
+                if never_full and initial <= set(tracker.first_token):  # every first request prefilled: as full as it gets
+                    full = True
                 if full and pool_full_since is None:
                     pool_full_since = now
                 ready = pool_full_since is not None and now - pool_full_since >= spec["settle"]
