@@ -7,8 +7,10 @@
 #   bash scripts/bench_bigger_models.sh --help
 #
 # Steps: traces gemma3 heldout2 fidelity heldout1 design report analysis earlier
-#   traces    SmolLM2's and Qwen2.5-Coder-0.5B's evaluation traces written again under the validity rule (~1-2 h each)
-#   gemma3    Gemma-3-270M's calibration text, statistics and evaluation traces (BOS, plain completion prompts)
+#   traces    SmolLM2's and Qwen2.5-Coder-0.5B's invalid evaluation traces written again under the validity rule
+#             from fresh seeds, the valid ones kept (SmolLM2: ~2 h at one thread beside another job)
+#   gemma3    Gemma-3-270M's calibration text, statistics and evaluation traces (BOS, plain completion prompts,
+#             Gemma's recommended sampling T 1.0, top-k 64, top-p 0.95: ~2 h at one thread beside another job)
 #   heldout2  the second pre-registered test (docs/preregistration.json, heldout-2): B = 128 then 256 (~4 h each)
 #   fidelity  fidelity and recall on each model's valid evaluation traces, the whole field, B = 128 (~0.5-1.5 h each)
 #   heldout1  the first pre-registered test again (rows 300-399, B = 128, ~3 h), for its section and the pooled figure
@@ -25,7 +27,7 @@ SHIP=0
 STEPS=()
 for arg in "$@"; do
   case "$arg" in
-    -h|--help) sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     --ship) SHIP=1 ;;
     traces|gemma3|heldout2|fidelity|heldout1|design|report|analysis|earlier) STEPS+=("$arg") ;;
     *) echo "bench_bigger_models.sh: unknown argument $arg (see --help)" >&2; exit 2 ;;
@@ -63,15 +65,16 @@ restore_answers() {  # a run folder absent from runs/ starts from the kept copy 
 # ---- docs/results.md ------------------------------------------------------------------------------------------
 if wants traces; then
   needs_ship traces
-  python -m trikv.benchmarks.quality.traces --model smollm2-135m --split evaluation --threads 2 --ship
-  python -m trikv.benchmarks.quality.traces --model qwen2.5-coder-0.5b --split evaluation --dtype bfloat16 --threads 2 --ship
+  python -m trikv.benchmarks.quality.traces --model smollm2-135m --split evaluation --redo-invalid --threads 2 --ship
+  python -m trikv.benchmarks.quality.traces --model qwen2.5-coder-0.5b --split evaluation --dtype bfloat16 --redo-invalid --threads 2 --ship
 fi
 if wants gemma3; then
   needs_ship gemma3
   TRIKV_THREADS=2 python scripts/make_calibration_text.py --model gemma3-270m --count 16 --engine transformers --ship
   trikv calibrate --model gemma3-270m --text src/trikv/data/calibration/gemma3-270m-math500-traces.txt \
     --out src/trikv/data/stats/gemma3-270m.safetensors
-  python -m trikv.benchmarks.quality.traces --model gemma3-270m --split evaluation --engine transformers --threads 2 --ship
+  python -m trikv.benchmarks.quality.traces --model gemma3-270m --split evaluation --engine transformers \
+    --temperature 1.0 --top-k 64 --top-p 0.95 --threads 2 --ship
 fi
 if wants heldout2; then
   heldout2=$(python -c "print(','.join(f'math500-{i}' for i in [*range(137, 200), *range(433, 500)]))")

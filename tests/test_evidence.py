@@ -382,6 +382,75 @@ def test_traces_refuse_unknown_splits_and_models(tmp_path, monkeypatch):
         traces.load_traces("tiny", "evaluation")
 
 
+class _CharTokenizer:
+    """One id per character; EOS is id 0 (no character)."""
+
+    eos_token_id, chat_template = 0, "instruct"
+
+    def __call__(self, text, add_special_tokens=True):
+        return {"input_ids": [ord(c) for c in text]}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i) for i in ids if i)
+
+
+def test_redo_invalid_keeps_valid_traces_and_writes_the_others_from_fresh_seeds(tmp_path, monkeypatch):
+    """`--redo-invalid`: a valid shipped trace is kept byte for byte and never sampled again; an invalid one is
+    written again from seeds after every seed the split used (its old seeds recorded as rejected), and the new
+    trace carries validity figures that pass the rule."""
+    import random
+    from types import SimpleNamespace
+
+    import trikv.generation
+    import trikv.models
+    import trikv.sanity
+    from trikv.benchmarks.quality import traces
+    from trikv.benchmarks.quality.validity import trace_validity
+
+    def reasoning(rng, length):  # high-entropy text: no long repeat, compresses poorly
+        return "".join(rng.choice("abcdefghijklmnopqrstuvwxyz  ") for _ in range(length))
+
+    tokenizer = _CharTokenizer()
+    monkeypatch.setattr(traces, "TRACES_DIR", tmp_path)
+    monkeypatch.setitem(traces.COUNTS, "tiny", {"evaluation": 3, "design": 0})
+    monkeypatch.setattr(trikv.models, "load_model", lambda name, dtype=None: (None, tokenizer))
+    monkeypatch.setattr(trikv.sanity, "check_model_answers", lambda *args: None)
+    calls = []
+
+    def fake_generate(model, tok, prompts, method, max_new_tokens, seed, **kwargs):
+        calls.append((list(prompts), seed))
+        rng = random.Random(seed)
+        return SimpleNamespace(tokens=[[ord(c) for c in reasoning(rng, max_new_tokens)] for _ in prompts])
+
+    monkeypatch.setattr(trikv.generation, "generate", fake_generate)
+    valid_text = reasoning(random.Random(99), 300)
+    loop_text = "ab" * 150
+    rows = []
+    for name, text, seeds, rejected in [("math500-400", valid_text, [0], []), ("math500-401", loop_text, [0, 1], [2]),
+                                        ("math500-408", loop_text, [0], [])]:
+        figures = trace_validity(text, [ord(c) for c in text], attempts=len(seeds), min_tokens=200).as_dict()
+        rows.append({"name": name, "split": "evaluation", "prompt": f"prompt {name}", "text": text, "tokens": len(text),
+                     "seeds": seeds, "source": "shipped", "rejected_seeds": rejected, "validity": figures})
+    assert [row["validity"]["valid"] for row in rows] == [True, False, False]
+    (tmp_path / "tiny.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+    out = tmp_path / "out.jsonl"
+    written = traces.write_traces("tiny", "evaluation", min_tokens=200, redo_invalid=True, out=out, log=lambda *a: None)
+    assert [call[1] for call in calls] == [3]  # one batch, the first seed after 0, 1, 2
+    from trikv.benchmarks.quality.math_task import load_problems
+
+    redone = load_problems("math500", ids=["math500-401", "math500-408"])
+    assert calls[0][0] == [problem["prompt"] for problem in redone]
+    saved = [json.loads(line) for line in out.read_text().splitlines()]
+    assert saved[0] == rows[0]
+    for row, old_seeds in zip(saved[1:], ([0, 1, 2], [0])):
+        assert row["seeds"] == [3] and row["rejected_seeds"] == old_seeds
+        assert row["validity"]["valid"] and row["text"] != loop_text
+    assert [trace.valid for trace in written] == [True, True, True]
+    with pytest.raises(ValueError, match="either extend or redo_invalid"):
+        traces.write_traces("tiny", "evaluation", min_tokens=200, redo_invalid=True, extend=True, out=out)
+
+
 def test_trace_problems_avoid_every_row_used_elsewhere():
     """Evaluation and design traces never come from math evaluation rows 0-99, the calibration rows or the
     held-out rows 300-399, and the two splits share no problem."""

@@ -1,6 +1,7 @@
 """The bundled models' own reasoning traces: the text a bounded cache exists for.
 
-Each bundled model answers math problems with full attention, sampled as the paper samples (T 0.6, top-p 0.95,
+Each bundled model answers math problems with full attention, sampled as the paper samples (T 0.6, top-p 0.95;
+Gemma-3-270M, a base model that loops at that setting, with its authors' recommended T 1.0, top-k 64, top-p 0.95),
 the math prompt in the chat template, or as plain text for a model without one), and its answers are frozen in `data/traces/<model>.jsonl` with their
 seeds and the command that wrote them. A trace is one problem's answer, 2,048+ tokens long: where the model
 stops earlier, further sampled attempts at the same problem are appended (separated by a blank line) until the
@@ -96,13 +97,16 @@ def problems_for(model: str, split: str) -> list[str]:
 def write_traces(model_name: str, split: str, seed: int = 0, dtype: str = "float32", engine: str = "lean",
                  batch: int = 16, min_tokens: int = MIN_TOKENS, command: str | None = None, log=print,
                  extend: bool = False, temperature: float = TEMPERATURE, top_p: float = TOP_P,
-                 top_k: int = 0, out: str | Path | None = None, progress: bool = True) -> list[Trace]:
+                 top_k: int = 0, out: str | Path | None = None, progress: bool = True,
+                 redo_invalid: bool = False) -> list[Trace]:
     """Sample `split`'s traces of `model_name` with full attention and write them into its trace file (the other
     split's rows are kept). Attempt a (0-based) of every problem still short is sampled in one batch with seed
     `seed + a`; an attempt may write up to the tokens its problem still lacks (+ 64). An attempt that loops
     (`validity.attempt_is_loop`) is stopped as soon as it does and rejected. Each trace carries its validity
     figures. `extend` keeps the split's shipped traces and continues the attempts of those still short of
-    `min_tokens`. `out`: the file to write (default: the shipped trace file of the model)."""
+    `min_tokens`. `redo_invalid` keeps the split's shipped traces that pass the validity rule as they are and writes
+    the others again from fresh seeds (after every seed the split has used; the old ones count as rejected).
+    `out`: the file to write (default: the shipped trace file of the model)."""
     import torch
 
     from ...generation import generate
@@ -127,7 +131,21 @@ def write_traces(model_name: str, split: str, seed: int = 0, dtype: str = "float
     seeds: dict[str, list[int]] = {pid: [] for pid in problem_ids}
     rejected: dict[str, list[int]] = {pid: [] for pid in problem_ids}
     separator = tokenizer("\n\n", add_special_tokens=False)["input_ids"]
+    if extend and redo_invalid:
+        raise ValueError("give either extend or redo_invalid")
     first_attempt = 0
+    kept_traces: dict[str, Trace] = {}  # redo_invalid: the valid shipped traces, left exactly as they are
+    if redo_invalid:
+        for trace in load_traces(model_name, split):
+            used = trace.seeds + trace.rejected_seeds
+            first_attempt = max(first_attempt, max(used) - seed + 1)
+            if trace.valid:
+                kept_traces[trace.name] = trace
+                pieces[trace.name] = [continuation_ids(tokenizer, trace.text)]  # long enough: never sampled again
+            else:
+                rejected[trace.name] = used
+        log(f"{len(kept_traces)} valid traces kept; writing again: "
+            + (", ".join(pid for pid in problem_ids if pid not in kept_traces) or "none"))
     if extend:  # the shipped attempts stand as they are (their text re-tokenised)
         for trace in load_traces(model_name, split):
             pieces[trace.name] = [continuation_ids(tokenizer, trace.text)]
@@ -141,7 +159,7 @@ def write_traces(model_name: str, split: str, seed: int = 0, dtype: str = "float
         return [not eos.intersection(row) and longest_repeat(row) > MAX_REPEAT_SHARE * min_tokens for row in rows]
 
     sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k}
-    for attempt in range(first_attempt, MAX_ATTEMPTS):
+    for attempt in range(first_attempt, first_attempt + MAX_ATTEMPTS if redo_invalid else MAX_ATTEMPTS):
         short = [pid for pid in problem_ids if _length(pieces[pid], separator) < min_tokens]
         if not short:
             break
@@ -168,6 +186,9 @@ def write_traces(model_name: str, split: str, seed: int = 0, dtype: str = "float
     traces = []
     frame = "chat template" if is_instruct(tokenizer) else "plain completion prompt (base model)"
     for pid in problem_ids:
+        if pid in kept_traces:
+            traces.append(kept_traces[pid])
+            continue
         texts = [tokenizer.decode(tokens, skip_special_tokens=True).strip() for tokens in pieces[pid]]
         texts = [text for text in texts if text]
         text = "\n\n".join(texts)
@@ -233,6 +254,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="write into the trace file trikv ships (what `trikv bench quality --traces` reads)")
     parser.add_argument("--out", help="trace file to write without --ship (default runs/traces/MODEL.jsonl)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars (the per-attempt lines stay)")
+    parser.add_argument("--redo-invalid", action="store_true",
+                        help="keep the split's shipped traces that pass the validity rule and write the others again from fresh seeds")
     parser.add_argument("--assess", action="store_true",
                         help="only recompute the validity figures of the shipped traces (no sampling)")
     parser.add_argument("--extend", action="store_true",
@@ -251,7 +274,7 @@ def main(argv: list[str] | None = None) -> None:
     traces = (assess_traces(args.model, args.split) if args.assess else
               write_traces(args.model, args.split, args.seed, args.dtype, engine=args.engine, batch=args.batch, command=command,
                            extend=args.extend, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, out=out,
-                           progress=not args.no_progress))
+                           progress=not args.no_progress, redo_invalid=args.redo_invalid))
     for trace in traces:
         figures = trace.validity
         print(f"{trace.name}: {trace.tokens} tokens in {len(trace.seeds)} attempt(s) ({len(trace.rejected_seeds)} rejected); "
