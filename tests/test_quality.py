@@ -533,6 +533,9 @@ def test_quick_preset_end_to_end_and_resume(tmp_path, tokenizer):
     # the headline fidelity counts the compressed positions, with intervals over the texts and paired differences
     assert "Fidelity where compression acts" in text and "each method minus triattention" in text
     assert "## Summary: where TriAttention leads, trails and ties" in text
+    assert "This page replaces" not in text
+    replacing = write_report([out], tmp_path / "new.md", replaces="docs/results-old.md").read_text()
+    assert "This page replaces [results-old.md](results-old.md), kept for reference" in replacing
     cell = fidelity["snapkv"]["40"]
     assert cell["compressed"]["positions"] < cell["positions"]
     low, high = cell["ci"]["compressed"]["kl"]

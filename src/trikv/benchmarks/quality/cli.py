@@ -134,13 +134,16 @@ def add_report_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a pre-registered test (candidate, baseline, budget, dataset, run, hypothesis): rendered with "
                              "its outcome computed from the named run")
     parser.add_argument("--earlier", default=None, metavar="PAGE", help="a page of earlier runs to link from the header")
+    parser.add_argument("--replaces", default=None, metavar="PAGE",
+                        help="the page this one replaces (its run folders gone), linked from the header")
     parser.set_defaults(func=report_main)
 
 
 def report_main(args) -> int:
     from .report import write_report
 
-    path = write_report(args.folders, args.out, args.title, preregistration=args.preregistration, earlier=args.earlier)
+    path = write_report(args.folders, args.out, args.title, preregistration=args.preregistration, earlier=args.earlier,
+                        replaces=args.replaces)
     print(f"wrote {path}")
     return 0
 

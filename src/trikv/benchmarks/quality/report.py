@@ -1155,9 +1155,11 @@ def _first_registration_lines(preregistration: dict, named_records: list[tuple[s
 
 
 def write_report(folders: list[str | Path], out: str | Path, title: str = "trikv quality benchmarks",
-                 preregistration: str | Path | None = None, earlier: str | None = None) -> Path:
+                 preregistration: str | Path | None = None, earlier: str | None = None,
+                 replaces: str | None = None) -> Path:
     """Render every run folder into one Markdown page (tables + plots copied beside it), opened by a summary
-    computed from the paired intervals and, with `preregistration` (a JSON file), the pre-registered test."""
+    computed from the paired intervals and, with `preregistration` (a JSON file), the pre-registered test.
+    `replaces`: the page this one replaces, linked from the header as kept for reference."""
     out = Path(out)
     assets = out.parent / f"{out.stem}_files"
     assets.mkdir(parents=True, exist_ok=True)
@@ -1179,6 +1181,10 @@ def write_report(folders: list[str | Path], out: str | Path, title: str = "trikv
     if earlier:
         lines += [f"Runs made before these rules (a method's recent window counted against the prompt; no intervals) "
                   f"are in [{Path(earlier).name}]({Path(earlier).name}).", ""]
+    if replaces:
+        lines += [f"This page replaces [{Path(replaces).name}]({Path(replaces).name}), kept for reference: its run folders "
+                  "are gone, so it cannot be regenerated, and its figures made before the rules above (trace validity, "
+                  "the withdrawals listed in the scope) stand only where those rules leave them valid.", ""]
     summary = summary_lines(named)
     if summary:
         lines += ["## Summary: where TriAttention leads, trails and ties", "",
