@@ -268,6 +268,8 @@ def main(argv: list[str] | None = None) -> None:
     command = "python -m trikv.benchmarks.quality.traces " + " ".join(sys.argv[1:] if argv is None else argv)
     if args.ship and args.out:
         parser.error("give either --ship or --out")
+    if args.extend and args.redo_invalid:
+        parser.error("give either --extend or --redo-invalid")
     if args.assess and not args.ship:
         parser.error("--assess rewrites the shipped trace file: add --ship")
     out = None if args.ship else Path(args.out or Path("runs") / "traces" / f"{args.model}.jsonl")
