@@ -548,3 +548,30 @@ def test_scope_is_computed_from_the_runs_and_names_withdrawn_figures():
     assert "greedy, up to 1,024 new tokens, budgets 128, 256" in lines[2]
     assert "bash scripts/bench_paper_setting.sh" in lines[3]
     assert lines[4].startswith("Withdrawn (gemma3-270m): every Gemma-3 figure made before 2026-12-04")
+
+
+def test_page_lists_every_shipped_trace_set_with_its_headline_verdict(tmp_path, monkeypatch):
+    from trikv.benchmarks.quality import traces
+    from trikv.benchmarks.quality.report import shipped_trace_validity
+
+    monkeypatch.setattr(traces, "TRACES_DIR", tmp_path)
+
+    def row(name, split, valid, compression, repeat_share, attempts=2, rejected=0):
+        validity = {"tokens": 2048, "compression": compression, "longest_repeat": int(2048 * repeat_share),
+                    "repeat_share": repeat_share, "attempts": attempts, "rejected": rejected, "valid": valid}
+        return json.dumps({"name": name, "split": split, "prompt": "p", "text": "t", "tokens": 2048, "seeds": [0],
+                           "source": "s", "validity": validity})
+
+    # 3 of 4 valid (75%: enters), 2 of 3 valid (67%: does not), a design set (never in a headline)
+    (tmp_path / "a-model.jsonl").write_text("\n".join(
+        [row(f"math500-{i}", "evaluation", i != 3, 0.2 if i != 3 else 0.05, 0.02 if i != 3 else 0.5, rejected=i)
+         for i in range(4)] + [row("math500-9", "design", False, 0.1, 0.3)]) + "\n")
+    (tmp_path / "b-model.jsonl").write_text("\n".join(
+        row(f"math500-{i}", "evaluation", i < 2, 0.25, 0.04 if i < 2 else 0.2, attempts=1) for i in range(3)) + "\n")
+    lines = shipped_trace_validity().splitlines()
+    assert lines[2] == "| a-model | evaluation | 3/4 | 0.050-0.200 | 2.0-50.0% | 8 | 6 | yes |"
+    assert lines[3] == "| a-model | design | 0/1 | 0.100-0.100 | 30.0-30.0% | 2 | 0 | design only (never in a headline) |"
+    assert lines[4] == "| b-model | evaluation | 2/3 | 0.250-0.250 | 4.0-20.0% | 3 | 0 | **no** |"
+    for path in tmp_path.glob("*.jsonl"):
+        path.unlink()
+    assert shipped_trace_validity() is None

@@ -1001,6 +1001,37 @@ def scope_lines(named_records: list[tuple[str, dict]]) -> list[str]:
     return lines
 
 
+def shipped_trace_validity(markdown: bool = True) -> str | None:
+    """Validity of every trace set trikv ships (one row per model and split), computed from the files' own
+    `validity` figures, so a set a page runs no fidelity on still shows whether it could enter the headline."""
+    from .traces import SPLITS, TRACES_DIR, load_traces
+    from .validity import MIN_VALID_SHARE
+
+    rows = []
+    for path in sorted(TRACES_DIR.glob("*.jsonl")):
+        for split in SPLITS:
+            try:
+                traces = load_traces(path.stem, split)
+            except ValueError:  # the model ships no traces in this split
+                continue
+            figures = [trace.validity for trace in traces if trace.validity]
+            if not figures:
+                rows.append([path.stem, split, f"?/{len(traces)}", "n/a", "n/a", "n/a", "n/a", "no (written before the rule)"])
+                continue
+            valid = sum(1 for f in figures if f["valid"])
+            usable = len(figures) == len(traces) and valid >= MIN_VALID_SHARE * len(traces)
+            compression = [f["compression"] for f in figures]
+            repeat = [100 * f["repeat_share"] for f in figures]
+            rows.append([path.stem, split, f"{valid}/{len(traces)}", f"{min(compression):.3f}-{max(compression):.3f}",
+                         f"{min(repeat):.1f}-{max(repeat):.1f}%", sum(f["attempts"] for f in figures),
+                         sum(f["rejected"] for f in figures),
+                         ("yes" if usable else "**no**") if split == "evaluation" else "design only (never in a headline)"])
+    if not rows:
+        return None
+    return render(["model", "split", "valid", "zlib ratio", "longest repeat", "answers glued", "rejected as loops",
+                   "enters the headline"], rows, markdown)
+
+
 def dedup_history_lines(sweep_path: str | Path | None = None) -> list[str]:
     """How `triattention-dedup` came about, computed from its shipped weight sweep (so the page cannot tell it
     otherwise): what it was tuned on, what R-KV scored there, when it became the first registration's candidate."""
@@ -1181,6 +1212,14 @@ def write_report(folders: list[str | Path], out: str | Path, title: str = "trikv
     if earlier:
         lines += [f"Runs made before these rules (a method's recent window counted against the prompt; no intervals) "
                   f"are in [{Path(earlier).name}]({Path(earlier).name}).", ""]
+    validity_table = shipped_trace_validity()
+    if validity_table:
+        from .validity import RULE_TEXT
+
+        lines += ["## Reasoning traces: validity of every shipped set", "",
+                  f"Rule, fixed before the sets were written again: {RULE_TEXT}. Computed from the shipped trace files "
+                  "(`src/trikv/benchmarks/quality/data/traces/`); each run below repeats the figures of the traces it fed.",
+                  "", validity_table, ""]
     if replaces:
         lines += [f"This page replaces [{Path(replaces).name}]({Path(replaces).name}), kept for reference: its run folders "
                   "are gone, so it cannot be regenerated, and its figures made before the rules above (trace validity, "
