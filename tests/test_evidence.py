@@ -364,6 +364,24 @@ def test_second_registration_is_read_by_its_rule_and_pooled_with_the_first():
     assert "+20.0 points" in primary and "**superior**" in primary, primary
     pooled = next(line for line in lines if line.strip().startswith("Pooled"))
     assert "230 problems" in pooled and "-32.2 points" in pooled and "inconclusive" in pooled, pooled
+    # the first test's answers absent: the pooled figure says it was not computed, and why
+    lines = preregistration_lines(second, [(second["run"], win)], [first])
+    pooled = next(line for line in lines if line.strip().startswith("Pooled"))
+    assert "not computed" in pooled and f"`{first['run']}`" in pooled, pooled
+
+
+def test_an_outcome_whose_run_folder_is_gone_is_quoted_from_the_replaced_page(tmp_path):
+    from trikv.benchmarks.quality.report import preregistration_lines
+
+    registration = {"candidate": "triattention", "baseline": "rkv", "budget": 128, "dataset": "math500", "run": "held",
+                    "registered": "2026-12-03", "hypothesis": "h", "rationale": "r", "command": "c"}
+    page = tmp_path / "old.md"
+    page.write_text("# t\n\n## Other test\n\n- Run: `other`: `c`\n- Outcome: wrong one.\n\n"
+                    "## Pre-registered held-out test\n\n- Run: `held`: `c`\n- Outcome: 0.250 vs 0.230, **met**.\n")
+    assert preregistration_lines(registration, [], replaced_page=page)[-1] == (
+        "Outcome, quoted from [old.md](old.md) (its run folder `held` is gone, so it is not recomputed here): 0.250 vs 0.230, **met**.")
+    # a page that never printed this run's outcome quotes nothing
+    assert preregistration_lines({**registration, "run": "absent"}, [], replaced_page=page)[-1] == "Outcome: not run yet."
 
 
 # ---- reasoning traces ---------------------------------------------------------------------------------------

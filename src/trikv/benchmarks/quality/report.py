@@ -1081,16 +1081,31 @@ def _answers(named_records: dict, run: str, dataset: str, method: str, budget: s
     return cell["by_problem"] if cell and "by_problem" in cell else None
 
 
+def quoted_outcome(page: str | Path | None, run: str) -> str | None:
+    """The outcome line a replaced page printed for the registered test run in folder `run`, or None: the section
+    of `page` that names the run and its `- Outcome:` line."""
+    if not page or not Path(page).is_file():
+        return None
+    for section in Path(page).read_text(encoding="utf-8").split("\n## ")[1:]:
+        if f"Run: `{run}`" not in section:
+            continue
+        for line in section.splitlines():
+            if line.startswith("- Outcome:") and "not run yet" not in line:
+                return line.removeprefix("- Outcome:").strip()
+    return None
+
+
 def preregistration_lines(preregistration: dict, named_records: list[tuple[str, dict]],
-                          earlier_tests: list[dict] = ()) -> list[str]:
-    """One registered test as registered, and its outcome computed from the named run (or 'not run yet').
+                          earlier_tests: list[dict] = (), replaced_page: str | Path | None = None) -> list[str]:
+    """One registered test as registered, and its outcome computed from the named run (or 'not run yet'; where the
+    run folder is not on the page but `replaced_page` printed its outcome, that line, quoted and labelled so).
 
     A test with a `reading` is judged by it (`paired_reading`) for its primary and secondary comparisons, at its
     budget and, where the run has it, its secondary budget; its `pooled` figure adds the problems of the earlier
     test it names. A test without one (the first registration) keeps its own rule: the candidate's point estimate
     >= the baseline's."""
     if "reading" not in preregistration:
-        return _first_registration_lines(preregistration, named_records)
+        return _first_registration_lines(preregistration, named_records, replaced_page)
     test, records = preregistration, dict(named_records)
     problems = registered_problems(test)
     margin = float(test["reading"]["margin"])
@@ -1140,10 +1155,14 @@ def preregistration_lines(preregistration: dict, named_records: list[tuple[str, 
                     lines.append(f"  Pooled with `{pooled_test['id']}` ({len(pooled)} problems; not the registered outcome: "
                                  f"those rows were seen before this registration): {100 * difference:+.1f} points "
                                  f"[{100 * low:+.1f}, {100 * high:+.1f}], {reading}.")
+                else:
+                    lines.append(f"  Pooled with `{pooled_test['id']}`: not computed: the per-problem answers of "
+                                 f"`{candidate}` and `{baseline}` on its rows (run `{pooled_test['run']}`) are not on this page.")
     return lines
 
 
-def _first_registration_lines(preregistration: dict, named_records: list[tuple[str, dict]]) -> list[str]:
+def _first_registration_lines(preregistration: dict, named_records: list[tuple[str, dict]],
+                              replaced_page: str | Path | None = None) -> list[str]:
     """The first registration's own rule: the candidate's pass@1 >= the baseline's on the registered problems."""
     candidate, baseline = preregistration["candidate"], preregistration["baseline"]
     budget, dataset = str(preregistration["budget"]), preregistration["dataset"]
@@ -1156,7 +1175,10 @@ def _first_registration_lines(preregistration: dict, named_records: list[tuple[s
     table = (record or {}).get("results", {}).get("math", {}).get(dataset, {})
     cell, other = _cell(table, candidate, budget), _cell(table, baseline, budget)
     if not cell or not other or "by_problem" not in cell or "by_problem" not in other:
-        lines.append("Outcome: not run yet.")
+        quoted = None if record else quoted_outcome(replaced_page, preregistration["run"])
+        lines.append(f"Outcome, quoted from [{Path(replaced_page).name}]({Path(replaced_page).name}) (its run folder "
+                     f"`{preregistration['run']}` is gone, so it is not recomputed here): {quoted}" if quoted
+                     else "Outcome: not run yet.")
         return lines
     gained, lost, better, worse = _paired(cell, other)
     shared = [problem for problem in cell["by_problem"] if problem in other["by_problem"]]
@@ -1237,7 +1259,7 @@ def write_report(folders: list[str | Path], out: str | Path, title: str = "trikv
         for index, test in enumerate(tests):
             heading = f"## Pre-registered held-out test `{test.get('id', index + 1)}`" if len(tests) > 1 else "## Pre-registered held-out test"
             lines += [heading, ""] + [f"- {line}" if not line.startswith("  ") else f"  -{line[1:]}"
-                                      for line in preregistration_lines(test, named, tests[:index])] + [""]
+                                      for line in preregistration_lines(test, named, tests[:index], replaces)] + [""]
     for index, (folder, (name, record)) in enumerate(zip(folders, named)):
         config = record["config"]
         lines += [f"## {record['model']['name']}: run `{name}`", ""]
