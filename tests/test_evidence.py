@@ -379,7 +379,11 @@ def test_an_outcome_whose_run_folder_is_gone_is_quoted_from_the_replaced_page(tm
     page.write_text("# t\n\n## Other test\n\n- Run: `other`: `c`\n- Outcome: wrong one.\n\n"
                     "## Pre-registered held-out test\n\n- Run: `held`: `c`\n- Outcome: 0.250 vs 0.230, **met**.\n")
     assert preregistration_lines(registration, [], replaced_page=page)[-1] == (
-        "Outcome, quoted from [old.md](old.md) (its run folder `held` is gone, so it is not recomputed here): 0.250 vs 0.230, **met**.")
+        "Outcome, quoted from [old.md](old.md) (the answers of `triattention` and `rkv` it was computed from are not on "
+        "this page, so it is not recomputed here): 0.250 vs 0.230, **met**.")
+    # the run is on the page again, but without the candidate's answers: still the quoted outcome
+    rerun = {"results": {"math": {"math500": {"rkv": {"128": {"pass@1": 0.5, "by_problem": {"p0": 1.0, "p1": 0.0}}}}}}}
+    assert "quoted from [old.md]" in preregistration_lines(registration, [("held", rerun)], replaced_page=page)[-1]
     # a page that never printed this run's outcome quotes nothing
     assert preregistration_lines({**registration, "run": "absent"}, [], replaced_page=page)[-1] == "Outcome: not run yet."
 

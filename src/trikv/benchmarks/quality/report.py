@@ -1175,10 +1175,10 @@ def _first_registration_lines(preregistration: dict, named_records: list[tuple[s
     table = (record or {}).get("results", {}).get("math", {}).get(dataset, {})
     cell, other = _cell(table, candidate, budget), _cell(table, baseline, budget)
     if not cell or not other or "by_problem" not in cell or "by_problem" not in other:
-        quoted = None if record else quoted_outcome(replaced_page, preregistration["run"])
-        lines.append(f"Outcome, quoted from [{Path(replaced_page).name}]({Path(replaced_page).name}) (its run folder "
-                     f"`{preregistration['run']}` is gone, so it is not recomputed here): {quoted}" if quoted
-                     else "Outcome: not run yet.")
+        quoted = quoted_outcome(replaced_page, preregistration["run"])
+        lines.append(f"Outcome, quoted from [{Path(replaced_page).name}]({Path(replaced_page).name}) (the answers of "
+                     f"`{candidate}` and `{baseline}` it was computed from are not on this page, so it is not recomputed "
+                     f"here): {quoted}" if quoted else "Outcome: not run yet.")
         return lines
     gained, lost, better, worse = _paired(cell, other)
     shared = [problem for problem in cell["by_problem"] if problem in other["by_problem"]]
