@@ -136,7 +136,8 @@ if wants report; then
              qwen2.5-coder-1.5b-heldout2 qwen2.5-coder-1.5b-heldout qwen2.5-coder-1.5b-design; do
     if [ -f runs/quality/$run/results.json ]; then folders+=(runs/quality/$run); elif [ -f docs/runs/$run/results.json ]; then folders+=(docs/runs/$run); fi
   done
-  trikv bench report "${folders[@]}" --preregistration docs/preregistration.json --earlier docs/results-earlier.md --out docs/results.md
+  trikv bench report "${folders[@]}" --preregistration docs/preregistration.json --earlier docs/results-earlier.md \
+    --replaces docs/results-2026-12-04.md --out docs/results.md
 fi
 if wants analysis; then
   for model in smollm2-135m gemma3-270m qwen2.5-coder-0.5b qwen2.5-coder-1.5b; do

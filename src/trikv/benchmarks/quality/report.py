@@ -987,7 +987,7 @@ def scope_lines(named_records: list[tuple[str, dict]]) -> list[str]:
     lines = [f"Models: {'; '.join(described)}. None is a reasoning-trained model (the paper measures DeepSeek-R1 "
              "distills and Qwen3 with thinking): their reasoning traces are instruct models' (a base model's) sampled "
              "answers to math problems, far shorter and less structured than a reasoning model's 30K-token thoughts.",
-             f"Hardware: {', '.join(devices)} only ({'/'.join(map(str, threads))} threads); dtypes {', '.join(dtypes)}.",
+             f"Hardware: {', '.join(devices)} only ({'/'.join(map(str, threads))} thread{'' if threads == [1] else 's'}); dtypes {', '.join(dtypes)}.",
              f"Tasks: {', '.join(tasks)}. Fidelity and attention recall are teacher-forced: a fixed text (each model's "
              f"own traces) is fed through every method's cache, so a method's mistakes do not compound as in free "
              f"generation{free}."]
