@@ -201,6 +201,24 @@ def test_diagnosis_rank_correlation():
     assert _spearman([1.0, 2.0, 3.0, 4.0], [1.0, 3.0, 2.0, 4.0]) == pytest.approx(0.8)
 
 
+def test_diagnosis_reads_no_relation_from_fewer_than_eight_layers():
+    from trikv.benchmarks.quality.report import diagnosis
+
+    def record(layers):
+        cell = lambda total, per_layer: {"64": {"recall": total, "recall_per_layer": per_layer}}
+        own = [0.80 + 0.01 * i for i in range(layers)]
+        leader = [value + 0.01 * (layers - i) for i, value in enumerate(own)]  # its lead shrinks as R grows
+        return {"config": {"budgets": [64], "methods": ["triattention", "tova"], "horizons": [128]},
+                "results": {"fidelity": {"methods": {m: {"64": {"kl": 0.1, "top1_agreement": 0.9}} for m in ("triattention", "tova")}},
+                            "recall": {"meta": {"concentration_per_layer": [0.5 + 0.01 * i for i in range(layers)]},
+                                       "methods": {"triattention": cell(0.80, own), "tova": cell(0.85, leader)}}}}
+
+    (three,) = [line for line in diagnosis(record(3)) if "recalls more than" in line]
+    assert "rank correlation -1.00, no reading from 3 layers (at least 8 needed)" in three, three
+    (eight,) = [line for line in diagnosis(record(8)) if "recalls more than" in line]
+    assert "rank correlation -1.00, the lead is larger where concentration is lower" in eight, eight
+
+
 def test_diagnosis_names_the_methods_above_the_future_attention_selection_at_each_horizon():
     from trikv.benchmarks.quality.report import diagnosis
 

@@ -549,8 +549,11 @@ def diagnosis(record: dict, method: str = "triattention") -> list[str]:
                 rho = _spearman(gap, concentration)
                 if math.isnan(rho):
                     continue
-                reading = (f"the lead is larger where concentration is {'lower' if rho < 0 else 'higher'}"
-                           if abs(rho) >= 0.3 else "no clear relation (|rank correlation| < 0.3)")
+                if len(gap) < MIN_VERDICT_UNITS:  # a rank correlation over 3 layers is +/-1 or +/-0.5 by construction
+                    reading = f"no reading from {len(gap)} layers (at least {MIN_VERDICT_UNITS} needed)"
+                else:
+                    reading = (f"the lead is larger where concentration is {'lower' if rho < 0 else 'higher'}"
+                               if abs(rho) >= 0.3 else "no clear relation (|rank correlation| < 0.3)")
                 lines.append(f"B={budget}: `{other}` recalls more than `{method}` ({other_recall['recall']:.3f} vs "
                              f"{own['recall']:.3f}); across {len(gap)} layers its lead against the layer's query "
                              f"concentration (mean R of the statistics): rank correlation {rho:+.2f}, {reading}.")
