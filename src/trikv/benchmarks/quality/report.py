@@ -1008,7 +1008,7 @@ def shipped_trace_validity(markdown: bool = True) -> str | None:
     """Validity of every trace set trikv ships (one row per model and split), computed from the files' own
     `validity` figures, so a set a page runs no fidelity on still shows whether it could enter the headline."""
     from .traces import SPLITS, TRACES_DIR, load_traces
-    from .validity import MIN_VALID_SHARE
+    from .validity import Validity, set_is_usable
 
     rows = []
     for path in sorted(TRACES_DIR.glob("*.jsonl")):
@@ -1022,7 +1022,7 @@ def shipped_trace_validity(markdown: bool = True) -> str | None:
                 rows.append([path.stem, split, f"?/{len(traces)}", "n/a", "n/a", "n/a", "n/a", "no (written before the rule)"])
                 continue
             valid = sum(1 for f in figures if f["valid"])
-            usable = len(figures) == len(traces) and valid >= MIN_VALID_SHARE * len(traces)
+            usable = len(figures) == len(traces) and set_is_usable([Validity(**f) for f in figures])
             compression = [f["compression"] for f in figures]
             repeat = [100 * f["repeat_share"] for f in figures]
             rows.append([path.stem, split, f"{valid}/{len(traces)}", f"{min(compression):.3f}-{max(compression):.3f}",
