@@ -140,26 +140,37 @@ def attention_implementation(model, name: str):
 
 
 @torch.no_grad()
-def masked_reference_logits(model, input_ids, attention_mask, generated, visible):
+def masked_reference_logits(model, input_ids, attention_mask, generated, visible, chunks=None):
     """Replay prompt + `generated` tokens [b, steps] through full attention masked to `visible` sets.
 
-    visible[k]: [L, b, Hkv, P_k] RoPE positions the compressed cache held during forward k (prefill = 0).
-    Returns the last-position logits of each forward, [steps, b, vocab].
+    visible[k]: [L, b, Hkv, P_k] RoPE positions the compressed cache held during forward k (the prompt's forwards
+    first: one, or one per [start, stop) of `chunks`, then one per decode step).
+    Returns the last-position logits of the prompt's last forward and of each decode step, [steps, b, vocab].
     """
-    b, prompt_len = input_ids.shape
+    chunks = chunks or [(0, input_ids.shape[1])]
+    forwards = [input_ids[:, start:stop] for start, stop in chunks]
+    forwards += [generated[:, step : step + 1] for step in range(len(visible) - len(chunks))]
+    return masked_reference_forwards(model, forwards, visible, attention_mask)[len(chunks) - 1 :]
+
+
+@torch.no_grad()
+def masked_reference_forwards(model, forwards, visible, attention_mask=None):
+    """The last-position logits [len(forwards), b, vocab] of each forward of tokens `forwards[k]` [b, q_k], replayed
+    through full attention masked to `visible[k]` ([L, b, Hkv, P_k] RoPE positions the compressed cache held during
+    forward k); `attention_mask` [b, q_0] is the first forward's left padding (default none)."""
+    b = forwards[0].shape[0]
+    if attention_mask is None:
+        attention_mask = torch.ones_like(forwards[0])
     pads = (attention_mask == 0).long().sum(-1)  # left padding per row
     cache = DynamicCache(config=model.config)
     outputs = []
     seen = 0
     mask2d = attention_mask.clone()
-    for step, positions in enumerate(visible):
-        if step == 0:
-            tokens = input_ids
-        else:
-            tokens = generated[:, step - 1 : step]
-            mask2d = torch.cat([mask2d, mask2d.new_ones(b, 1)], dim=-1)
+    for step, (tokens, positions) in enumerate(zip(forwards, visible)):
         q = tokens.shape[1]
         total = seen + q
+        if mask2d.shape[1] < total:
+            mask2d = torch.cat([mask2d, mask2d.new_ones(b, total - mask2d.shape[1])], dim=-1)
         # logical index of each visible entry = position + pad
         logical = torch.where(positions >= 0, positions + pads[None, :, None, None], torch.full_like(positions, -1))
         L, _, Hkv, _ = positions.shape
@@ -172,7 +183,7 @@ def masked_reference_logits(model, input_ids, attention_mask, generated, visible
         causal = key_index[None, :] <= query_index[:, None]  # [q, T]
         _STATE["allowed"] = allowed_keys[:, :, :, None, :] & causal[None, None, None]
         _STATE["rows"] = {layer: row for row, layer in enumerate(model_shape(model).cached_layers)}
-        position_ids = (mask2d.cumsum(-1) - 1).masked_fill(mask2d == 0, 0)[:, seen:total]
+        position_ids = (mask2d[:, :total].cumsum(-1) - 1).masked_fill(mask2d[:, :total] == 0, 0)[:, seen:total]
         with attention_implementation(model, "trikv_test_masked"):
             out = model(input_ids=tokens, position_ids=position_ids, **cache_kwargs(model, cache), use_cache=True)
         outputs.append(out.logits[:, -1].float())

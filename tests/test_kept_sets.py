@@ -208,12 +208,21 @@ def test_hybrid_models_keep_the_reference_sets_in_their_global_layers(family, me
     _check_kept_sets(model, method)
 
 
-def _check_kept_sets(model, method):
+@pytest.mark.parametrize("method", METHODS)
+def test_kept_sets_after_a_chunked_prefill_equal_an_independent_reference(method):
+    """A prompt of ten times the budget, prefilled in chunks of 20 tokens: every round at a chunk boundary (the
+    scores at that boundary's position, the attention-based variants with the chunk's last queries) and every
+    decode round after it keeps the reference's set, and the prompt competes (it leaves no room)."""
+    _check_kept_sets(tiny_model("qwen2", seed=2), method, prompt_length=10 * BUDGET, chunk=20)
+
+
+def _check_kept_sets(model, method, prompt_length: int = PROMPT, chunk: int | None = None):
     stats = tiny_stats(model)
     extra = SMALL_WINDOW.get(method, {})
     options = dict(REGISTRY[method].preset) | extra
     cache = trikv.make_cache(model, method, budget=BUDGET, divide_length=SLACK, **extra,
-                             **({"stats": stats} if REGISTRY[method].needs_stats else {}))
+                             **({"stats": stats} if REGISTRY[method].needs_stats else {}),
+                             **({"prefill_chunk_size": chunk} if chunk else {}))
     geometry = RopeGeometry.from_model(model)
     checked = []
     original = cache.compress
@@ -229,7 +238,8 @@ def _check_kept_sets(model, method):
         original()
         if cache.rounds == rounds:
             return
-        score = expected_scores(method, options, cache, stats, geometry, keys, positions, t, PROMPT, queries, query_positions)
+        score = expected_scores(method, options, cache, stats, geometry, keys, positions, t, prompt_length, queries,
+                                query_positions)
         cut = score.topk(BUDGET, dim=-1).values[..., -1:]
         after = cache.visible_positions()[:, 0]
         for layer in range(positions.shape[0]):
@@ -245,6 +255,10 @@ def _check_kept_sets(model, method):
         checked.append(t)
 
     cache.compress = compress
-    prompt = torch.randint(1, 96, (PROMPT,), generator=torch.Generator().manual_seed(4)).tolist()
+    prompt = torch.randint(1, 96, (prompt_length,), generator=torch.Generator().manual_seed(4)).tolist()
     trikv.generate(model, _Tok(), [prompt], cache=cache, max_new_tokens=NEW, min_new_tokens=NEW)
     assert len(checked) >= 5
+    if chunk:  # rounds at chunk boundaries (every chunk after the first two), then while decoding
+        boundaries = [t for t in checked if t < prompt_length]
+        assert len(boundaries) >= prompt_length // chunk - 2 and all(t % chunk == 0 for t in boundaries)
+        assert any(t > prompt_length for t in checked)

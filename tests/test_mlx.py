@@ -258,6 +258,79 @@ def test_greedy_tokens_match_the_transformers_cache(tiny, method):
     assert agreement(got, reference) == 60, (got, reference)
 
 
+# ---- long prompts and conversations: bounded at every moment --------------------------------------------------
+def mlx_greedy(mlx_model, cache, prompt, max_tokens, chunk):
+    """mlx-lm's generate_step with `prefill_step_size=chunk` (the prompt but its last token in chunks, then one token
+    per forward, each sampled token fed before it is yielded); the greedy tokens."""
+    steps = generate_step(mx.array(prompt), mlx_model, prompt_cache=cache, max_tokens=max_tokens, prefill_step_size=chunk)
+    return [int(token) for token, _ in zip((t for t, _ in steps), range(max_tokens))]
+
+
+@torch.no_grad()
+def torch_greedy(model, cache, prompt, max_tokens, chunk):
+    """The same forwards as `mlx_greedy` through the transformers model and a trikv cache."""
+    kwargs = trikv.compat.cache_kwargs(model, cache)
+    rest = list(prompt)
+    while len(rest) > 1:
+        size = min(chunk, len(rest) - 1)
+        model(input_ids=torch.tensor([rest[:size]]), **kwargs)
+        rest = rest[size:]
+    tokens = []
+    for _ in range(max_tokens):
+        token = int(model(input_ids=torch.tensor([rest]), **kwargs).logits[0, -1].argmax())
+        tokens.append(token)
+        rest = [token]
+    model(input_ids=torch.tensor([rest]), **kwargs)  # mlx-lm feeds every token it yields
+    return tokens
+
+
+def test_a_prompt_ten_times_the_budget_never_takes_the_mlx_cache_past_the_bound(tiny):
+    _, mlx_model, _, stats_file = tiny
+    budget, slack, chunk = 16, 4, 12
+    prompt = [int(t) for t in np.random.default_rng(5).integers(1, 90, 10 * budget)]
+    cache = trikv.mlx.make_prompt_cache(mlx_model, budget=budget, divide_length=slack, prefill_chunk_size=chunk,
+                                        stats=stats_file)
+    assert trikv.mlx.prefill_step_size(cache) == chunk
+    bounded = trikv.mlx.bounded_cache(cache)
+    mlx_greedy(mlx_model, cache, prompt, 30, trikv.mlx.prefill_step_size(cache))
+    assert bounded.peak_bound == budget + slack + chunk and bounded.peak_length <= bounded.peak_bound
+    assert bounded.rounds >= len(prompt) // chunk - 2 and bounded.offset == len(prompt) + 30
+    unchunked = trikv.mlx.make_prompt_cache(mlx_model, budget=budget, divide_length=slack, prefill_chunk_size=chunk,
+                                            stats=stats_file)
+    with pytest.warns(UserWarning, match=r"a forward of 159 tokens .* pass prefill_step_size=12 to mlx-lm"):
+        mlx_greedy(mlx_model, unchunked, prompt, 3, 2048)  # mlx-lm's default step: the whole prompt at once
+    assert trikv.mlx.bounded_cache(unchunked).peak_length == len(prompt) - 1
+
+
+def test_a_chunked_prefill_and_a_second_turn_keep_the_transformers_paths_tokens(tiny):
+    """A long first turn (rounds between its chunks) and a second turn on the same prompt cache, mlx-lm's chat
+    pattern: each turn's ids through generate_step with the same prompt_cache. The greedy tokens of both turns equal
+    those of the transformers model fed the same forwards through a trikv cache, rounds included."""
+    model, mlx_model, stats, stats_file = tiny
+    rng = np.random.default_rng(6)
+    turns = [[int(t) for t in rng.integers(1, 90, n)] for n in (90, 35)]
+    cache = trikv.mlx.make_prompt_cache(mlx_model, budget=16, divide_length=4, prefill_chunk_size=10, stats=stats_file)
+    torch_cache = trikv.make_cache(model, "triattention", budget=16, divide_length=4, prefill_chunk_size=10, stats=stats)
+    for turn in turns:
+        got = mlx_greedy(mlx_model, cache, turn, 25, 10)
+        want = torch_greedy(model, torch_cache, turn, 25, 10)
+        assert agreement(got, want) == 25, (got, want)
+    bounded = trikv.mlx.bounded_cache(cache)
+    assert bounded.rounds == torch_cache.rounds >= 15 and bounded.peak_length <= bounded.peak_bound
+    assert bounded.offset == torch_cache.get_seq_length() == 90 + 25 + 35 + 25
+
+
+def test_a_conversation_equals_mlx_lms_own_cache_when_nothing_is_evicted(tiny):
+    _, mlx_model, _, stats_file = tiny
+    rng = np.random.default_rng(7)
+    turns = [[int(t) for t in rng.integers(1, 90, n)] for n in (40, 25, 30)]
+    bounded = trikv.mlx.make_prompt_cache(mlx_model, budget=1024, stats=stats_file, prefill_chunk_size=16)
+    full = [KVCache() for _ in mlx_model.layers]
+    for turn in turns:
+        assert mlx_greedy(mlx_model, bounded, turn, 12, 16) == mlx_greedy(mlx_model, full, turn, 12, 16)
+    assert trikv.mlx.bounded_cache(bounded).rounds == 0 and trikv.mlx.bounded_cache(bounded).offset == full[0].offset
+
+
 # ---- memory: bounded, quantised ------------------------------------------------------------------------------
 @pytest.mark.parametrize("bits", [None, 8, 4])
 def test_memory_stays_bounded_and_quantised_memory_is_budget_times_bits(tiny32, bits):

@@ -21,6 +21,7 @@ _EXPORTS = {
     "load_stats": ("calibration", "load_stats"),
     "generate": ("generation", "generate"),
     "GenerationResult": ("generation", "GenerationResult"),
+    "Session": ("session", "Session"),
     "load_model": ("models", "load_model"),
     "METHODS": ("policies", "REGISTRY"),
 }

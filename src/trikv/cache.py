@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 import weakref
 
 import torch
@@ -39,7 +40,8 @@ from .query_capture import QueryWindow, install_query_tap, take_query, want_quer
 from .fast import accelerate, spread_step
 from .schedule import RoundSchedule
 from .selection import prompt_fits, protected_entries, top_entries
-from .settings import DEFAULT_BUDGET, DEFAULT_DIVIDE_LENGTH, DEFAULT_MIN_DECODE_ROOM, CacheSettings, check_recent_window, is_default
+from .settings import (DEFAULT_BUDGET, DEFAULT_DIVIDE_LENGTH, DEFAULT_MIN_DECODE_ROOM, DEFAULT_PREFILL_CHUNK_SIZE, CacheSettings,
+                       check_prefill_chunk_size, check_recent_window, is_default, peak_entries_bound)
 from .stores import PackedStore, UniformStore
 from .validation import integer
 
@@ -105,6 +107,12 @@ class CompressedCache(Cache):
         protect_prompt: keep prompt tokens out of the competition (default True) as long as they leave at
             least `min_decode_room` slots for generated tokens; otherwise the prompt competes too.
         min_decode_room: slots of the budget reserved for generated tokens when the prompt is protected.
+        prefill_chunk_size: the most tokens one forward should add (default 512). `trikv.generate` feeds a prompt
+            that would take the cache past budget + divide_length in chunks of this size, a round running between
+            chunks whenever the cache reaches budget + divide_length, so the cache never holds more than
+            budget + divide_length + prefill_chunk_size entries per (layer, row, KV head). With
+            `model.generate`, pass `prefill_chunk_size=cache.prefill_chunk_size` for the same bound; a longer
+            forward on a bounded cache runs (it holds all its tokens at once) and warns once.
         layout: "uniform" (one physical length for every layer and head, `stores.UniformStore`) or "packed"
             (per-(layer, head) lengths, `stores.PackedStore`); default: packed for policies with per-layer /
             per-head budgets (PyramidKV, Ada-KV), uniform otherwise.
@@ -127,6 +135,7 @@ class CompressedCache(Cache):
         protect_prompt: bool = True,
         min_decode_room: int = DEFAULT_MIN_DECODE_ROOM,
         layout: str | None = None,
+        prefill_chunk_size: int = DEFAULT_PREFILL_CHUNK_SIZE,
         **policy_options,
     ):
         if layout not in (None, "uniform", "packed"):
@@ -137,7 +146,8 @@ class CompressedCache(Cache):
         self.settings: CacheSettings | None = None  # None for a policy instance (it need not be registered)
         if isinstance(policy, str):  # validated as every backend validates its settings
             stats = policy_options.pop("stats", None)
-            self.settings = CacheSettings(policy, budget, divide_length, protect_prompt, min_decode_room, stats, policy_options)
+            self.settings = CacheSettings(policy, budget, divide_length, protect_prompt, min_decode_room, stats, policy_options,
+                                          prefill_chunk_size)
             policy = self.settings.make_policy(stats)
             budget = self.settings.budget
         elif policy_options:
@@ -170,6 +180,7 @@ class CompressedCache(Cache):
         self.schedule = RoundSchedule(budget, divide_length)
         self.protect_prompt = protect_prompt
         self.min_decode_room = min_decode_room
+        self.prefill_chunk_size = check_prefill_chunk_size(prefill_chunk_size)
         self.store = self._make_store(layout)
         self.layout = self.store.layout
         policy.bind(model, self.shape)
@@ -226,6 +237,10 @@ class CompressedCache(Cache):
         self.observe_seconds = 0.0  # time in per-step policy statistics (H2O, LazyEviction, ...)
         self._prompt_dropped_logged = False
         self._warned_positions = False
+        self._warned_long_forward = False
+        self._next_forward_tokens = 1  # tokens of the forward about to run (the buffers keep room for them)
+        self.pending_tokens: torch.Tensor | None = None  # [b] sampled last by trikv.generate, not yet fed (continue_cache)
+        self.pending_at = -1  # `seen` when pending_tokens was recorded (another feed makes it stale)
         self._forward_announced = False  # before_forward ran for the forward now writing to the cache
         self._observe_pending = False  # the last forward was one token: observe it before the next one
         self.tokens: torch.Tensor | None = None  # [b, >= seen] long: token id by logical index (needs_tokens)
@@ -309,9 +324,15 @@ class CompressedCache(Cache):
         """Bytes the K/V buffers occupy, spare slots included."""
         return self.store.allocated_bytes() + self.sliding_bytes()
 
-    def _target_capacity(self) -> int | None:
-        """Slots per (layer, row, KV head) the next round needs (None: unbounded, the buffers double)."""
-        return None if self.budget is None else self.schedule.capacity()
+    def _target_capacity(self, query_length: int = 1) -> int | None:
+        """Slots per (layer, row, KV head) the buffers keep before a forward of `query_length` tokens: what the next
+        round needs, plus a prefill chunk's tokens past the trigger when the forward is a chunk (None: unbounded,
+        the buffers double). A chunked prefill's rounds then compact in place; the first decode round shrinks the
+        buffers back."""
+        if self.budget is None:
+            return None
+        chunk_room = query_length - 1 if query_length > 1 and self.length > 0 else 0  # a later chunk of a prefill
+        return self.schedule.capacity() + chunk_room
 
     def reserve(self, entries: int, batch: int, dtype: torch.dtype = torch.float32, device="cpu") -> None:
         """Preallocate `entries` slots per (layer, row, KV head), e.g. prompt + max_new_tokens for full attention,
@@ -336,18 +357,72 @@ class CompressedCache(Cache):
         self._forward_announced = True
         if self.seen == 0:
             self._read_padding(attention_mask)
+        elif not self.decoding and self.pad_lengths is not None and int(self.pad_lengths.max()) == self.seen:
+            self._extend_padding(attention_mask)  # a chunked prefill: a row all padding so far may pad on
         if query_length == 1 and self.seen > 0:
             self.decoding = True
+        self._check_forward_length(query_length)
         if self.query_window is not None:
             want_queries(True)
             if self._observe_pending:
                 self._observe_last_token()
+        self._next_forward_tokens = query_length
         if self.schedule.due(self.length):
             self.compress()
         if query_length == 1 and self.decoding and self.budget is not None:  # score ahead, spread
             started = time.perf_counter()
             spread_step(self)
             self.scoring_seconds += time.perf_counter() - started
+
+    @property
+    def peak_bound(self) -> int | None:
+        """The most entries per (layer, row, KV head) the cache holds when no forward adds more than
+        `prefill_chunk_size` tokens: budget + divide_length + prefill_chunk_size (None: unbounded)."""
+        return None if self.budget is None else peak_entries_bound(self.budget, self.divide_length, self.prefill_chunk_size)
+
+    def chunk_bounds(self, new_tokens: int) -> list[tuple[int, int]]:
+        """[start, stop) of each forward that feeds `new_tokens` tokens after what the cache holds: one forward
+        when no round can fall due inside it, otherwise chunks of `prefill_chunk_size` (a round runs before any
+        chunk that finds the cache at budget + divide_length). No chunk is a single token (it would be taken
+        for a decode step): a last chunk of one token takes one from the chunk before it."""
+        if self.budget is None or self.length + new_tokens <= self.budget + self.divide_length or new_tokens <= self.prefill_chunk_size:
+            return [(0, new_tokens)]
+        starts = list(range(0, new_tokens, self.prefill_chunk_size))
+        if new_tokens - starts[-1] == 1:
+            starts[-1] -= 1
+        return list(zip(starts, starts[1:] + [new_tokens]))
+
+    def _check_forward_length(self, query_length: int) -> None:
+        """Warn once when one forward takes a bounded cache past its bound (a long prompt fed whole)."""
+        if self.budget is None or self._warned_long_forward or query_length <= self.prefill_chunk_size:
+            return
+        if self.length + query_length <= self.peak_bound:
+            return
+        self._warned_long_forward = True
+        warnings.warn(
+            f"a forward of {query_length} tokens on a trikv cache bounded at budget {self.budget} + divide_length "
+            f"{self.divide_length} holds all of them at once ({self.length + query_length} entries per (layer, KV head), "
+            f"over the bound of {self.peak_bound} that chunks of prefill_chunk_size={self.prefill_chunk_size} keep): "
+            f"feed long prompts in chunks, e.g. model.generate(..., prefill_chunk_size={self.prefill_chunk_size}) or "
+            "trikv.generate, which chunks them itself",
+            stacklevel=3,
+        )
+
+    def _extend_padding(self, attention_mask: torch.Tensor | None) -> None:
+        """A later prompt chunk's mask (past + current columns) continues the left padding of rows that were all
+        padding in the chunks before it."""
+        if attention_mask is None or attention_mask.dim() != 2 or attention_mask.shape[1] <= self.seen:
+            return
+        mask = attention_mask.bool()
+        pads = (~mask).long().cumprod(-1).sum(-1).to(self.pad_lengths.device)
+        if bool((mask.long().sum(-1) != mask.shape[-1] - pads).any()):
+            raise ValueError("trikv caches need left padding (padding_side='left'): found padding after real tokens")
+        if bool(((pads != self.pad_lengths) & (self.pad_lengths < self.seen)).any()):
+            raise ValueError("the attention mask of a prompt chunk disagrees with the padding of the chunks before it")
+        self.pad_lengths = pads
+        self._max_pad = int(pads.max())
+        if self.schedule.base is None:  # no round yet: the earliest-due row is the least padded
+            self.schedule.start(pads)
 
     def _read_padding(self, attention_mask: torch.Tensor | None) -> None:
         if attention_mask is None or attention_mask.dim() != 2:
@@ -396,7 +471,7 @@ class CompressedCache(Cache):
             )
         self._new_positions = self._new_token_positions(b, q, key_states.device)  # [b, q]
         writes_padding = self.pad_lengths is not None and self.seen < self._max_pad
-        self.store.begin(self._new_positions, key_states.dtype, key_states.device, self._target_capacity(), writes_padding)
+        self.store.begin(self._new_positions, key_states.dtype, key_states.device, self._target_capacity(q), writes_padding)
         if not self.decoding and q >= 1:
             self.prompt_length = self.seen + q
         self.seen += q
@@ -446,7 +521,8 @@ class CompressedCache(Cache):
 
     @torch.no_grad()
     def compress(self) -> None:
-        """Compress every row whose live entries reached budget + divide_length to the top-`budget`.
+        """Compress every row whose live entries reached budget + divide_length to the top-`budget` (the buffers
+        keep room for the forward about to run: a prefill chunk's tokens, or one).
 
         The policy scores every layer at once on the store's view; kept entries stay in original order. Rows not
         yet due keep everything; in the uniform layout the physical length becomes the largest live count, so
@@ -490,7 +566,7 @@ class CompressedCache(Cache):
             if result is not None:
                 values, biases = result.values, result.biases
             self.compaction_seconds += time.perf_counter() - compaction_started
-        order = self.store.retain(keep, self.schedule.capacity(), values=values, biases=biases)
+        order = self.store.retain(keep, self._target_capacity(self._next_forward_tokens), values=values, biases=biases)
         if order is not None:
             self.policy.after_round(order)  # per-slot policy state follows the kept slots
         self.rounds += 1
@@ -687,12 +763,12 @@ def attach(model: torch.nn.Module) -> None:
 def TriAttentionCache(model: torch.nn.Module, stats, budget: int = DEFAULT_BUDGET, divide_length: int = DEFAULT_DIVIDE_LENGTH,
                       **options) -> CompressedCache:
     """A CompressedCache with the TriAttention policy. `options` go to the cache or the policy."""
-    cache_options = {k: options.pop(k) for k in ("protect_prompt", "min_decode_room") if k in options}
+    cache_options = {k: options.pop(k) for k in ("protect_prompt", "min_decode_room", "prefill_chunk_size") if k in options}
     return CompressedCache(model, "triattention", budget=budget, divide_length=divide_length, stats=stats, **cache_options, **options)
 
 
 def make_cache(model: torch.nn.Module, method: str = "triattention", budget: int | None = DEFAULT_BUDGET,
                divide_length: int = DEFAULT_DIVIDE_LENGTH, **options) -> CompressedCache:
     """A CompressedCache for any registered method (`trikv methods`)."""
-    cache_options = {k: options.pop(k) for k in ("protect_prompt", "min_decode_room", "layout") if k in options}
+    cache_options = {k: options.pop(k) for k in ("protect_prompt", "min_decode_room", "layout", "prefill_chunk_size") if k in options}
     return CompressedCache(model, method, budget=budget, divide_length=divide_length, **cache_options, **options)

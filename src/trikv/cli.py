@@ -1,4 +1,4 @@
-"""`trikv` command line: calibrate, generate, demo, methods, analyze, bench, vllm-args and serve (vLLM)."""
+"""`trikv` command line: calibrate, generate, chat, demo, methods, analyze, bench, vllm-args and serve (vLLM)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from .settings import DEFAULT_BUDGET, DEFAULT_DIVIDE_LENGTH  # numbers only: imports nothing heavy
+from .settings import DEFAULT_BUDGET, DEFAULT_DIVIDE_LENGTH, DEFAULT_PREFILL_CHUNK_SIZE  # numbers only: imports nothing heavy
 from .threads import add_threads_argument, apply_threads
 
 
@@ -197,6 +197,88 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def _add_chat(sub) -> None:
+    p = sub.add_parser(
+        "chat", help="an interactive chat on one bounded KV cache, showing the KV it holds after each turn",
+        description="Chat with a model on one bounded KV cache: each line you type is the next user message, "
+                    "appended to what the cache holds (nothing is re-read); after each reply the K/V held is printed "
+                    "beside what full attention would hold. /reset starts over, /quit (or end of input) ends.",
+        epilog="example: trikv chat --budget 512   (or: printf 'Hi\nWhat did I say?\n' | trikv chat)",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m", help="bundled name, local path or hub id")
+    p.add_argument("--method", default="triattention", help="eviction method (`trikv methods` lists them)")
+    p.add_argument("--budget", type=int, default=int(DEFAULT_BUDGET), help="KV entries per (layer, KV head) after a round")
+    p.add_argument("--divide-length", type=int, default=int(DEFAULT_DIVIDE_LENGTH), help="slack beta: a round at budget + beta")
+    p.add_argument("--prefill-chunk-size", type=int, default=DEFAULT_PREFILL_CHUNK_SIZE,
+                   help="a long message is prefilled in chunks of this many tokens, with rounds between them")
+    p.add_argument("--stats", help="calibration statistics (default: the bundled stats of --model)")
+    p.add_argument("--system", help="system message (models with a chat template)")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="the longest reply")
+    p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
+    p.add_argument("--temperature", type=float, default=0.6, help="with --sample")
+    p.add_argument("--top-p", type=float, default=0.95, help="with --sample")
+    p.add_argument("--engine", default="transformers", choices=["transformers", "lean"], help="model forward")
+    add_threads_argument(p)
+    p.set_defaults(func=cmd_chat)
+
+
+def cmd_chat(args) -> int:
+    from .calibration import load_stats
+    from .models import REGISTRY as MODELS
+    from .models import load_model
+    from .policies import REGISTRY
+    from .session import Session, full_attention_bytes
+    from .validation import integer, positive, probability
+
+    if args.method not in REGISTRY:
+        sys.exit(f"trikv chat: unknown method {args.method!r}; available: {', '.join(REGISTRY)}")
+    integer("--max-new-tokens", args.max_new_tokens)
+    integer("--budget", args.budget)
+    integer("--divide-length", args.divide_length)
+    integer("--prefill-chunk-size", args.prefill_chunk_size, minimum=2)
+    if args.sample:
+        positive("--temperature", args.temperature)
+        probability("--top-p", args.top_p)
+    needs_stats = REGISTRY[args.method].needs_stats
+    if needs_stats and args.stats is None and args.model not in MODELS:
+        sys.exit(f"trikv chat: method {args.method!r} needs calibration statistics and {args.model!r} has no bundled "
+                 "ones: pass --stats FILE (make one with `trikv calibrate --model ... --text ... --out FILE`)")
+    apply_threads(args.threads)
+    model, tokenizer = load_model(args.model)
+    options = {"stats": load_stats(args.stats or args.model, model)} if needs_stats else {}
+    if REGISTRY[args.method].policy_class.evicts:
+        options.update(budget=args.budget, divide_length=args.divide_length, prefill_chunk_size=args.prefill_chunk_size)
+    session = Session(model, tokenizer, method=args.method, system=args.system, engine=args.engine, **options)
+    sampling = dict(do_sample=args.sample, temperature=args.temperature, top_p=args.top_p) if args.sample else {}
+    interactive = sys.stdin.isatty()
+    bound = getattr(session.cache, "peak_bound", None)
+    print(f"[trikv chat] {args.model}, {args.method}"
+          + (f", budget {args.budget} + {args.divide_length} (at most {bound} entries per (layer, KV head))" if bound else "")
+          + ". /reset starts over, /quit ends.", flush=True)
+    while True:
+        if interactive:
+            print("you> ", end="", flush=True)
+        line = sys.stdin.readline()
+        if not line or line.strip() == "/quit":
+            break
+        message = line.strip()
+        if not message:
+            continue
+        if message == "/reset":
+            session.reset()
+            print("[trikv chat] the conversation starts over (empty cache)", flush=True)
+            continue
+        session.send(message, max_new_tokens=args.max_new_tokens, **sampling)
+        turn = session.turns[-1]
+        print(f"assistant> {turn.reply.strip()}", flush=True)
+        full = full_attention_bytes(model, turn.tokens_seen)
+        print(f"[KV held: {turn.held_entries} entries per (layer, KV head), {turn.held_bytes / 2**20:.2f} MiB "
+              f"(full attention: {full / 2**20:.2f} MiB for {turn.tokens_seen} tokens); peak this turn "
+              f"{turn.peak_bytes / 2**20:.2f} MiB; {turn.rounds} rounds so far; first token in "
+              f"{turn.seconds_to_first_token:.2f} s]", flush=True)
+    return 0
+
+
 def _import_mlx(command: str):
     """trikv.mlx, or exit with how to install MLX."""
     try:
@@ -299,6 +381,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_calibrate(sub)
     _add_generate(sub)
+    _add_chat(sub)
     _add_demo(sub)
     _add_methods(sub)
     _add_analyze(sub)

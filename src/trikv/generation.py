@@ -141,10 +141,25 @@ def model_forward(model, cache, lean=None):
     return forward
 
 
+def prefill_chunks(cache, new_tokens: int) -> list[tuple[int, int]]:
+    """[start, stop) of each prefill forward for `new_tokens` tokens: a bounded trikv cache's chunks
+    (`CompressedCache.chunk_bounds`), one forward for any other cache."""
+    if isinstance(cache, CompressedCache):
+        return cache.chunk_bounds(new_tokens)
+    return [(0, new_tokens)]
+
+
 def prefill(forward, sampler: Sampler, input_ids: torch.Tensor, positions: torch.Tensor, attention_mask: torch.Tensor,
-            sequence: torch.Tensor, finished: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The prompt's forward and the first token: (tokens [b], logits [b, vocab])."""
-    logits = forward(input_ids, positions, attention_mask)
+            sequence: torch.Tensor, finished: torch.Tensor,
+            chunks: list[tuple[int, int]] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prompt's forwards and the first token: (tokens [b], logits [b, vocab]).
+
+    input_ids / positions [b, n] are the new tokens, attention_mask [b, held + n] covers what the cache already
+    holds too; `chunks` ([start, stop) per forward, default one forward) feed a long prompt a chunk at a time, so
+    a bounded cache runs its rounds between chunks."""
+    held = attention_mask.shape[1] - input_ids.shape[1]
+    for start, stop in chunks or [(0, input_ids.shape[1])]:
+        logits = forward(input_ids[:, start:stop], positions[:, start:stop], attention_mask[:, : held + stop])
     return sampler(logits, sequence, 0, finished), logits
 
 
@@ -153,6 +168,34 @@ def decode_one_token(forward, sampler: Sampler, token: torch.Tensor, positions: 
     """One decode step: the last tokens [b] at `positions` [b, 1] -> (next tokens [b], their logits [b, vocab])."""
     logits = forward(token[:, None], positions, attention_mask)
     return sampler(logits, sequence, step, finished), logits
+
+
+def remember_pending(cache, token: torch.Tensor) -> None:
+    """Note on the cache the tokens [b] sampled last and never fed, with the length they follow: a continuation
+    (`continue_cache=True`) feeds them first."""
+    cache.pending_tokens = token.detach().clone()
+    cache.pending_at = cache.get_seq_length()
+
+
+def continuation_batch(cache, tokenizer, prompts) -> dict:
+    """The one-row batch that continues the conversation `cache` holds: the token sampled last (if this module
+    sampled it and nothing was fed since), then the prompt's ids (text encoded as it is, no chat template)."""
+    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        prompts = [prompts]
+    if len(prompts) != 1:
+        raise ValueError(f"continuing a conversation takes one prompt, got {len(prompts)}: the cache holds one "
+                         "conversation (a batch's rows would each need their own history)")
+    if getattr(cache, "batch_size", 1) > 1:
+        raise ValueError(f"this cache holds a batch of {cache.batch_size} rows; continue_cache=True continues a "
+                         "one-row conversation")
+    prompt = prompts[0]
+    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"] if isinstance(prompt, str) else list(prompt)
+    pending = getattr(cache, "pending_tokens", None)
+    if pending is not None and getattr(cache, "pending_at", -1) == cache.get_seq_length():
+        ids = [int(pending[0])] + ids
+    if not ids:
+        raise ValueError("the continuation encodes to zero tokens")
+    return {"input_ids": torch.tensor([ids]), "attention_mask": torch.ones(1, len(ids), dtype=torch.long)}
 
 
 @torch.no_grad()
@@ -177,12 +220,22 @@ def generate(
     progress: bool = False,
     engine: str = "transformers",
     halt_rows=None,
+    continue_cache: bool = False,
     **method_options,
 ) -> GenerationResult:
     """Generate for one prompt or a batch with `method` (default "triattention"; "full" uses transformers'
     DynamicCache), or with a `cache` you made (then `method`, `budget`, `divide_length`, `stats` and method
-    options come from it and must not be given again). A cache holds one conversation: a cache that already
-    holds tokens is refused (call `cache.reset()` to reuse it).
+    options come from it and must not be given again).
+
+    Long prompts: a bounded trikv cache is fed a prompt that would take it past budget + divide_length in chunks
+    of its `prefill_chunk_size` (default 512), with a round between chunks whenever it reaches budget +
+    divide_length, so it never holds more than budget + divide_length + one chunk entries per (layer, KV head).
+
+    A cache holds one conversation. A cache that already holds tokens is refused (call `cache.reset()` to reuse it)
+    unless `continue_cache=True`: the prompt (one row, its text encoded without a chat template, or token ids) is
+    then appended to the conversation the cache holds, at the next logical positions, after the token this
+    function sampled last and never fed (the end of the previous reply); the earlier kept entries stay.
+    `trikv.Session` runs a chat that way, with the model's chat template.
 
     engine: "transformers" (the model's own forward) or "lean" (trikv's plain-PyTorch decoder for llama /
     qwen2 / qwen3 / mistral, `trikv.lean`; same tokens, less fixed cost per step; full attention then uses
@@ -208,14 +261,21 @@ def generate(
         if given:
             raise ValueError(f"{', '.join(given)} given together with cache=...: the cache already fixes them "
                              "(make the cache with them, or leave cache out)")
-        if getattr(cache, "get_seq_length", lambda: 0)() > 0:
+        if getattr(cache, "get_seq_length", lambda: 0)() > 0 and not continue_cache:
             raise ValueError(f"the cache already holds {cache.get_seq_length()} tokens of an earlier generation; "
-                             "call cache.reset() (or make a new cache) to generate from a new prompt")
+                             "call cache.reset() (or make a new cache) to generate from a new prompt, or pass "
+                             "continue_cache=True to append this prompt to the conversation it holds (trikv.Session)")
         method = getattr(getattr(cache, "policy", None), "name", "cache")
+    elif continue_cache:
+        raise ValueError("continue_cache=True needs cache=..., the cache that holds the conversation to continue")
     method = "triattention" if method is None else method
     divide_length = DEFAULT_DIVIDE_LENGTH if divide_length is None else divide_length
     device = next(model.parameters()).device
-    batch = encode_prompts(tokenizer, prompts, chat)
+    held = cache.get_seq_length() if continue_cache else 0
+    if held:
+        batch = continuation_batch(cache, tokenizer, prompts)
+    else:
+        batch = encode_prompts(tokenizer, prompts, chat)
     input_ids = batch["input_ids"].to(device)
     attention_mask = batch["attention_mask"].to(device)
     if cache is None:
@@ -243,7 +303,8 @@ def generate(
     forward = model_forward(model, cache, lean)
 
     rows = input_ids.shape[0]
-    position_ids = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
+    position_ids = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0) + held
+    attention_mask = torch.cat([attention_mask.new_ones(rows, held), attention_mask], dim=-1)
     sequence = input_ids
     finished = torch.zeros(rows, dtype=torch.bool, device=device)
     halted_at: dict[int, int] = {}  # row -> tokens it wrote before `halt_rows` stopped it
@@ -258,7 +319,8 @@ def generate(
     for step in range(max_new_tokens):
         started = time.perf_counter()
         if step == 0:
-            token, logits = prefill(forward, sampler, input_ids, positions, attention_mask, sequence, finished)
+            token, logits = prefill(forward, sampler, input_ids, positions, attention_mask, sequence, finished,
+                                    prefill_chunks(cache, input_ids.shape[1]))
         else:
             token, logits = decode_one_token(forward, sampler, token, positions, attention_mask, sequence, finished, step)
         if return_logits:
@@ -286,6 +348,7 @@ def generate(
         attention_mask = torch.cat([attention_mask, attention_mask.new_ones(rows, 1)], dim=-1)
         positions = positions[:, -1:] + 1
     bar.close()
+    remember_pending(cache, token)
 
     tokens = torch.stack(generated, dim=1).tolist()
     trimmed = []

@@ -7,7 +7,9 @@ through it; no other module restates them.
 
 Defaults: budget B = 2048 entries per (layer, KV head) after a round, divide_length (beta) = 128 (a round runs
 when the cache reaches B + beta), the prompt protected while it leaves `min_decode_room` = 32 slots of the
-budget for generated tokens, and at most 256 MiB of transient memory per vLLM worker in a round.
+budget for generated tokens, prompts longer than B + beta prefilled in chunks of `prefill_chunk_size` = 512
+tokens with a round between chunks (so a request never holds more than B + beta + 512 entries per (layer, KV
+head), whatever its prompt's length), and at most 256 MiB of transient memory per vLLM worker in a round.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ DEFAULT_METHOD = "triattention"
 DEFAULT_BUDGET = Default(2048)
 DEFAULT_DIVIDE_LENGTH = Default(128)
 DEFAULT_MIN_DECODE_ROOM = 32
+DEFAULT_PREFILL_CHUNK_SIZE = 512
 DEFAULT_ROUND_WORKSPACE_BYTES = 256 * 2**20
 
 
@@ -46,6 +49,18 @@ def check_recent_window(method: str, recent_window: int, budget: int | None, nam
             f"{name} {budget} is not larger than the protected recent window of {method} ({recent_window} tokens); "
             "raise the budget or shrink the window"
         )
+
+
+def check_prefill_chunk_size(value) -> int:
+    """The prefill chunk size as an int (ValueError naming the setting unless it is an integer >= 2: a one-token
+    chunk would be taken for a decode step)."""
+    return integer("prefill_chunk_size", value, minimum=2)
+
+
+def peak_entries_bound(budget: int, divide_length: int, prefill_chunk_size: int) -> int:
+    """The most entries per (layer, KV head) a bounded cache ever holds: a round runs whenever it reaches
+    budget + divide_length before a forward, and a forward appends at most one prefill chunk."""
+    return budget + divide_length + prefill_chunk_size
 
 
 def scores_keys_only(policy_class) -> bool:
@@ -78,7 +93,10 @@ class CacheSettings:
     (None: never evict; a method that keeps everything, `full`, takes none); divide_length: the slack beta, a
     round runs at budget + beta; protect_prompt / min_decode_room: the prompt stays out of the competition while
     prompt + min_decode_room <= budget; stats: calibration statistics (a `QueryStats`, a bundled name or a path)
-    for methods that need them; options: the method's own options (e.g. {"recent_window": 8}).
+    for methods that need them; options: the method's own options (e.g. {"recent_window": 8});
+    prefill_chunk_size: tokens per prefill forward when a prompt (or a session's new turn) would take the cache past
+    budget + divide_length, with a round between chunks whenever the cache reaches budget + divide_length, so the
+    cache never holds more than budget + divide_length + prefill_chunk_size entries per (layer, KV head).
     """
 
     method: str = DEFAULT_METHOD
@@ -88,6 +106,7 @@ class CacheSettings:
     min_decode_room: int = DEFAULT_MIN_DECODE_ROOM
     stats: Any = None
     options: dict = field(default_factory=dict)
+    prefill_chunk_size: int = DEFAULT_PREFILL_CHUNK_SIZE
 
     def __post_init__(self) -> None:
         from .policies import REGISTRY
@@ -103,6 +122,7 @@ class CacheSettings:
             object.__setattr__(self, "budget", _keep_default(self.budget, integer("budget", self.budget)))
         object.__setattr__(self, "divide_length", _keep_default(self.divide_length, integer("divide_length", self.divide_length)))
         object.__setattr__(self, "min_decode_room", integer("min_decode_room", self.min_decode_room, minimum=0))
+        object.__setattr__(self, "prefill_chunk_size", check_prefill_chunk_size(self.prefill_chunk_size))
         if not isinstance(self.protect_prompt, bool):
             raise ValueError(f"protect_prompt must be True or False, got {self.protect_prompt!r}")
         if not isinstance(self.options, dict):

@@ -3,10 +3,15 @@
     import mlx_lm, trikv.mlx
     model, tokenizer = trikv.mlx.load("smollm2-135m")   # mlx_lm.load, with the RoPE of transformers 5 configs
     cache = trikv.mlx.make_prompt_cache(model, method="triattention", budget=2048, stats="smollm2-135m")
-    text = mlx_lm.generate(model, tokenizer, prompt, max_tokens=8192, prompt_cache=cache)
+    text = mlx_lm.generate(model, tokenizer, prompt, max_tokens=8192, prompt_cache=cache,
+                           prefill_step_size=trikv.mlx.prefill_step_size(cache))
 
-The cache keeps at most budget + divide_length entries per (layer, KV head); rounds score in MLX with the same
-statistics files as the torch path. Methods: those that score stored keys only (`methods()`: TriAttention and its
+The cache keeps at most budget + divide_length entries per (layer, KV head) while decoding, and at most one prefill
+chunk more while mlx-lm feeds a prompt in chunks of `prefill_step_size` (a round runs after any forward that leaves
+budget + divide_length entries): pass the cache's `prefill_chunk_size` (default 512, `prefill_step_size(cache)`)
+as mlx-lm's `prefill_step_size` (its own default is 2,048). The same prompt cache continues a conversation:
+mlx-lm's chat pattern (each turn's templated message through `stream_generate` with the same `prompt_cache`)
+appends to what it holds. Rounds score in MLX with the same statistics files as the torch path. Methods: those that score stored keys only (`methods()`: TriAttention and its
 ablations, StreamingLLM, Knorm). `kv_bits=8` or 4 stores the kept entries quantised (memory = budget x bits);
 mlx-lm's own `kv_bits=` argument quantises a trikv cache the same way once `quantized_kv_start` is reached.
 torch is used once, to read and validate the statistics; rounds run in MLX.
@@ -14,7 +19,8 @@ torch is used once, to read and validate the statistics; rounds run in MLX.
 
 from __future__ import annotations
 
-from ..settings import DEFAULT_BUDGET, DEFAULT_DIVIDE_LENGTH, DEFAULT_MIN_DECODE_ROOM, CacheSettings, key_only_methods
+from ..settings import (DEFAULT_BUDGET, DEFAULT_DIVIDE_LENGTH, DEFAULT_MIN_DECODE_ROOM, DEFAULT_PREFILL_CHUNK_SIZE, CacheSettings,
+                        key_only_methods)
 from .cache import BoundedKV, LayerCache, QuantizedLayerCache, check_quantization
 from .model import MlxRope, load, mlx_model_shape, read_rope, transformers_config, weight_signature
 from .scoring import make_scorer
@@ -37,6 +43,7 @@ def make_prompt_cache(
     min_decode_room: int = DEFAULT_MIN_DECODE_ROOM,
     kv_bits: int | None = None,
     kv_group_size: int = DEFAULT_KV_GROUP_SIZE,
+    prefill_chunk_size: int = DEFAULT_PREFILL_CHUNK_SIZE,
     **options,
 ) -> list:
     """The prompt cache (one object per decoder layer) to pass to `mlx_lm.generate(..., prompt_cache=...)`.
@@ -45,6 +52,8 @@ def make_prompt_cache(
     (`trikv.settings.CacheSettings`); stats: a bundled name, a `trikv calibrate` file or a loaded `QueryStats`,
     validated against the model (shape, RoPE, q_proj weights). `method="full"` returns mlx-lm's own caches.
     kv_bits / kv_group_size: store the entries quantised (mlx-lm's `QuantizedKVCache` format).
+    prefill_chunk_size: the prefill chunk the cache is bounded for (give it to mlx-lm as `prefill_step_size`); a
+    longer forward still runs, holds all its tokens and warns once.
     """
     if method == "full":
         if budget is not None and budget is not DEFAULT_BUDGET:
@@ -55,7 +64,8 @@ def make_prompt_cache(
         if kv_bits is not None:
             caches = [cache.to_quantized(group_size=kv_group_size, bits=kv_bits) for cache in caches]
         return caches
-    settings = CacheSettings(method, budget, divide_length, protect_prompt, min_decode_room, stats, options)
+    settings = CacheSettings(method, budget, divide_length, protect_prompt, min_decode_room, stats, options,
+                             prefill_chunk_size)
     if not settings.keys_only:
         raise ValueError(f"method {method!r} needs observed queries or per-step statistics and has no MLX cache; "
                          f"trikv's MLX caches run: {', '.join(methods())}")
@@ -74,6 +84,15 @@ def make_prompt_cache(
     bounded = BoundedKV(settings, policy, make_scorer(policy), shape, quantization)
     face = QuantizedLayerCache if quantization is not None else LayerCache
     return [face(bounded, layer) for layer in range(shape.num_layers)]
+
+
+def prefill_step_size(prompt_cache: list) -> int:
+    """The `prefill_step_size` to give mlx-lm with this prompt cache: a trikv cache's prefill chunk size (mlx-lm's
+    own caches: trikv's default chunk, the same rule for every backend)."""
+    first = prompt_cache[0] if prompt_cache else None
+    if isinstance(first, LayerCache):
+        return first.bounded.settings.prefill_chunk_size
+    return DEFAULT_PREFILL_CHUNK_SIZE
 
 
 def bounded_cache(prompt_cache: list) -> BoundedKV:
@@ -126,6 +145,7 @@ __all__ = [
     "load",
     "methods",
     "bounded_cache",
+    "prefill_step_size",
     "BoundedKV",
     "LayerCache",
     "QuantizedLayerCache",

@@ -14,7 +14,10 @@ length, so chunked prefill after a round masks correctly (the stored entries all
 
 Prompt: mlx-lm's `generate_step` feeds the prompt in chunks and its last token alone, so the prompt is every
 token up to and including the first single-token forward; it is protected while prompt + min_decode_room <=
-budget (otherwise it competes). A chunked prefill longer than budget + divide_length is compacted between chunks.
+budget (otherwise it competes). A chunked prefill longer than budget + divide_length is compacted between chunks,
+so with chunks of at most `prefill_chunk_size` tokens (mlx-lm's `prefill_step_size`) the cache never holds more
+than budget + divide_length + prefill_chunk_size entries; a longer forward warns once. A later turn of a
+conversation (several tokens after decoding) is appended the same way, its tokens competing like generated ones.
 
 Quantised KV (`kv_bits=8` or 4, or mlx-lm's `kv_bits=` through `to_quantized`): entries are stored as mlx-lm's
 `QuantizedKVCache` stores them (packed words, scales and biases per group of `kv_group_size` dimensions), rounds
@@ -25,12 +28,14 @@ and mlx-lm's quantised attention reads them: memory = budget x bits.
 from __future__ import annotations
 
 import time
+import warnings
 
 import mlx.core as mx
 import numpy as np
 
 from ..schedule import RoundSchedule
 from ..selection import protected_entries
+from ..settings import peak_entries_bound
 from .scoring import kept_indices
 
 
@@ -76,6 +81,8 @@ class BoundedKV:
         self.round_seconds = 0.0
         self.peak_length = 0
         self.arrived = 0  # layers that have appended the current forward's tokens
+        self.last_forward = 1  # tokens of the last forward (a round keeps room for another such chunk)
+        self.warned_long_forward = False
         self.schedule.reset()
 
     # ---- sizes -----------------------------------------------------------------------------
@@ -122,8 +129,23 @@ class BoundedKV:
         return (first[0] if isinstance(first, tuple) else first).shape[0]
 
     # ---- writing ---------------------------------------------------------------------------
+    @property
+    def peak_bound(self) -> int:
+        """budget + divide_length + prefill_chunk_size: the most entries the cache holds with chunks of at most
+        `prefill_chunk_size` tokens."""
+        return peak_entries_bound(self.budget, self.divide_length, self.settings.prefill_chunk_size)
+
     def forward_starts(self, layer: int, tokens: int) -> None:
         """Bookkeeping of a forward's first layer: the prompt grows until decoding starts."""
+        self.last_forward = tokens
+        chunk = self.settings.prefill_chunk_size
+        if tokens > chunk and self.lengths[layer] + tokens > self.peak_bound and not self.warned_long_forward:
+            self.warned_long_forward = True
+            warnings.warn(
+                f"a forward of {tokens} tokens on a trikv MLX cache bounded at budget {self.budget} + divide_length "
+                f"{self.divide_length} holds all of them at once ({self.lengths[layer] + tokens} entries per (layer, KV "
+                f"head), over the bound of {self.peak_bound} that chunks of {chunk} keep): pass "
+                f"prefill_step_size={chunk} to mlx-lm (trikv.mlx.prefill_step_size(cache))", stacklevel=4)
         if tokens == 1:
             self.single_token_forwards += 1
         elif self.single_token_forwards:  # several tokens after single ones (a new turn): decoding from here on
@@ -218,7 +240,7 @@ class BoundedKV:
         mx.eval(keep)
         scored = time.perf_counter()
         budget = keep.shape[-1]
-        capacity = self.budget + self.divide_length
+        capacity = self.budget + self.divide_length + max(self.last_forward - 1, 0)  # room for another such chunk
         for layer in range(self.num_layers):
             index = keep[layer][..., None]  # [b, Hkv, B, 1]
             self.keys[layer] = _compact(self.keys[layer], index, self.length, capacity)

@@ -64,12 +64,13 @@ def generate(model, tokenizer, prompts, method: str = "triattention", budget: in
              do_sample: bool = False, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = 0,
              chat: bool = True, kv_bits: int | None = None, progress: bool = False, **options) -> MlxGenerationResult:
     """Generate for each prompt (a string or a list of token ids) with `method` ("full": mlx-lm's own cache) through
-    `mlx_lm.stream_generate`; greedy unless `do_sample` (mlx-lm's sampler: temperature, top-p, top-k)."""
+    `mlx_lm.stream_generate`; greedy unless `do_sample` (mlx-lm's sampler: temperature, top-p, top-k). A long prompt
+    is fed in chunks of the cache's `prefill_chunk_size` (an option, default 512) with rounds between them."""
     import mlx.core as mx
     import mlx_lm
     from mlx_lm.sample_utils import make_sampler
 
-    from . import make_prompt_cache
+    from . import make_prompt_cache, prefill_step_size
 
     if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
         prompts = [prompts]
@@ -90,8 +91,10 @@ def generate(model, tokenizer, prompts, method: str = "triattention", budget: in
         processors = [suppress_tokens(eos, min_new_tokens, len(ids))] if min_new_tokens else None
         tokens, peak_bytes, peak_entries = [], 0, 0
         decode_started = None
+        # a long prompt in chunks of the cache's prefill chunk size (mlx-lm's own caches too: one rule for all)
         for response in mlx_lm.stream_generate(model, tokenizer, ids, max_tokens=max_new_tokens, sampler=sampler,
-                                               logits_processors=processors, prompt_cache=cache):
+                                               logits_processors=processors, prompt_cache=cache,
+                                               prefill_step_size=prefill_step_size(cache)):
             if decode_started is None:  # the first token ends the prefill
                 decode_started = time.perf_counter()
             tokens.append(response.token)
@@ -103,6 +106,10 @@ def generate(model, tokenizer, prompts, method: str = "triattention", budget: in
             result.decode_seconds += time.perf_counter() - decode_started
             result.decode_tokens += len(tokens) - 1
         final_bytes, final_entries = held_bytes(cache)
+        if cache and isinstance(cache[0], LayerCache):  # the prefill's chunks peak between the tokens seen here
+            bounded = cache[0].bounded
+            peak_entries = max(peak_entries, bounded.peak_length)
+            peak_bytes = max(peak_bytes, bounded.peak_length * final_bytes // max(final_entries, 1))
         result.tokens.append(tokens)
         result.texts.append(tokenizer.decode([t for t in tokens if t not in eos]))
         result.prompt_lengths.append(len(ids))
