@@ -32,6 +32,7 @@ BENCH_MODULES = [
     "trikv.benchmarks.serving",
     "trikv.benchmarks.serving_report",
     "trikv.benchmarks.soak",
+    "trikv.benchmarks.agent.cli",
 ]
 
 

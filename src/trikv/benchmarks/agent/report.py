@@ -1,0 +1,209 @@
+"""docs/agent.md from the cells of `trikv bench agent`: who completes the session under the memory limit, what
+each method holds, how its answers compare with the truth and with uncapped full attention, by distance.
+
+Intervals are 95% bootstrap intervals over sessions (a session is the unit that varies: its files and questions);
+a share is a ratio of sums over the resampled sessions. Nothing on the page is typed by hand: every figure is
+computed here from the cells, and each row names the command that produced it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+from ..quality.intervals import percentile_interval, resample_weights
+
+DISTANCES = ((0, 0, "0 (the chunk just read)"), (1, 2, "1-2"), (3, 5, "3-5"), (6, 10**6, "6+"))
+BACKEND_ORDER = ("transformers", "mlx", "vllm")
+
+
+def load_cells(folder: Path) -> dict:
+    """{backend: {method: {seed: result}}} of every cell in folder/cells."""
+    runs: dict = defaultdict(lambda: defaultdict(dict))
+    for path in sorted((folder / "cells").glob("*.json")):
+        cell = json.loads(path.read_text())
+        backend, rest = path.stem.split("-", 1)
+        method, seed = rest.rsplit("-", 1)
+        runs[backend][method][int(seed)] = cell["result"] | {"settings": cell["settings"]}
+    return runs
+
+
+def share_with_interval(hits: list[float], totals: list[float]) -> tuple[float, list[float]]:
+    """sum(hits) / sum(totals) over sessions, with its bootstrap interval over sessions."""
+    hits_array, totals_array = np.asarray(hits, float), np.asarray(totals, float)
+    if totals_array.sum() == 0:
+        return math.nan, [math.nan, math.nan]
+    point = hits_array.sum() / totals_array.sum()
+    weights = resample_weights(len(hits_array))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        samples = (weights @ hits_array) / (weights @ totals_array)
+    return float(point), percentile_interval(samples)
+
+
+def _pct(point: float, interval: list[float]) -> str:
+    if math.isnan(point):
+        return "-"
+    return f"{100 * point:.0f}% [{100 * interval[0]:.0f}, {100 * interval[1]:.0f}]"
+
+
+def summarise(cells: dict) -> dict:
+    """Per method: sessions, completed, failures, answered, accuracy and agreement (with intervals), by distance."""
+    seeds = sorted(cells)
+    records = {seed: cells[seed]["records"] for seed in seeds}
+    right = [sum(r["right"] for r in records[s]) for s in seeds]
+    answered = [len(records[s]) for s in seeds]
+    agrees = [sum(bool(r["agrees"]) for r in records[s] if r["agrees"] is not None) for s in seeds]
+    compared = [sum(r["agrees"] is not None for r in records[s]) for s in seeds]
+    by_distance = {}
+    for low, high, label in DISTANCES:
+        hits = [sum(r["right"] for r in records[s] if low <= r["distance"] <= high) for s in seeds]
+        total = [sum(low <= r["distance"] <= high for r in records[s]) for s in seeds]
+        by_distance[label] = share_with_interval(hits, total) + (sum(total),)
+    failures = [cells[s]["error"] for s in seeds if cells[s]["error"]]
+    peaks = [r["peak_bytes"] for s in seeds for r in records[s]]
+    ttft = [r["ttft"] for s in seeds for r in records[s] if r["ttft"] is not None]
+    return {
+        "sessions": len(seeds), "completed": len(seeds) - len(failures), "failures": failures,
+        "answered": sum(answered), "accuracy": share_with_interval(right, answered),
+        "agreement": share_with_interval(agrees, compared), "by_distance": by_distance,
+        "peak_bytes": max(peaks) if peaks else 0, "ttft_median": float(np.median(ttft)) if ttft else math.nan,
+        "ttft_last": float(np.median([records[s][-1]["ttft"] for s in seeds if records[s] and records[s][-1]["ttft"]]))
+        if any(records[s] for s in seeds) else math.nan,
+    }
+
+
+def _longest(runs: dict) -> int:
+    """Tokens of the longest conversation the reference run completed."""
+    reference = runs.get("transformers", {}).get("full-unlimited", {})
+    return max((cell["records"][-1]["tokens"] for cell in reference.values() if cell["records"]), default=0)
+
+
+def _command(backend: str, config: dict) -> str:
+    venv = ".venv-upper/bin/" if backend == "mlx" else ".venv/bin/"
+    return (f"`{venv}trikv bench agent --backends {backend} --model {config['model']} --budget {config['budget']} "
+            f"--limit-tokens {config['limit_tokens']} --sessions {config['sessions']} --steps {config['steps']}`")
+
+
+def write_report(folder: Path, out: Path) -> Path:
+    config = json.loads((folder / "agent.json").read_text())["config"]
+    sessions = json.loads((folder / "sessions.json").read_text())
+    runs = load_cells(folder)
+    if not runs:
+        raise ValueError(f"{folder} holds no cells: run `trikv bench agent --out {folder}` first")
+    figures = out.parent / (out.stem + "_files")
+    figures.mkdir(parents=True, exist_ok=True)
+    per_token = config["kv_bytes_per_token"]
+    cap = config["cap_bytes"]
+    mib = 2**20
+    lines = [
+        "# An agent session past a memory limit",
+        "",
+        f"Generated by `trikv bench agent-report` on {time.strftime('%Y-%m-%d')} from the cells in `{folder}` "
+        f"(trikv {config['version']['trikv']}, commit {config['version']['commit']}). Model: {config['model']} "
+        f"(fp32 on this machine's CPU), greedy answers of at most {config['max_new_tokens']} tokens.",
+        "",
+        "**The case.** A coding agent reads a code base through a tool: every step is a tool result, a chunk of about "
+        f"{config['chunk_tokens']} tokens of a real source file (the Python {sessions[0]['sources'].get('python', '')} "
+        "standard library, one chunk per file, files drawn per session), with a question about that chunk, then a "
+        "question about a chunk read earlier. Every answer is checkable: parameter names or assigned literals read "
+        "from the file by Python's parser. "
+        f"{config['sessions']} sessions of {config['steps']} steps ({sum(len(s['messages']) for s in sessions)} "
+        f"questions); a conversation ends at {_longest(runs):,} tokens.",
+        "",
+        f"**The memory limit**: {config['limit_tokens']:,} tokens of full attention's KV "
+        f"({cap / mib:.1f} MiB at {per_token:,} bytes per token). On vLLM it is the KV pool itself (vLLM refuses a "
+        "longer conversation with a 400 error); on transformers and MLX the harness compares the bytes the cache holds "
+        "after every forward (MLX: after every message's prefill) with the limit and ends the session at the first "
+        f"message that passes it, as an out-of-memory would. Bounded methods: budget {config['budget']}, divide_length "
+        "128, prefill chunks of 512 tokens, so they hold at most "
+        f"{config['budget'] + 128 + 512:,} tokens' entries.",
+        "",
+        "**Reference answers**: uncapped full attention on the transformers path (the same weights, greedy); "
+        "`agrees` = the same first line of answer. On vLLM every message is a stateless request: the whole "
+        "conversation is sent again and prefilled again, in chunks with rounds between them when bounded (prefix "
+        "caching off for every engine, the same rule for all; trikv does not run with vLLM's prefix caching), so its "
+        "time to first token grows with the conversation.",
+        "",
+        "## Who completes the session",
+        "",
+        "| backend | method | sessions completed | full attention's failure | peak KV | answers right (vs truth) "
+        "| agrees with uncapped full | median TTFT | TTFT, last message |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    summaries: dict = {}
+    for backend in [b for b in BACKEND_ORDER if b in runs]:
+        for method in sorted(runs[backend], key=lambda m: (m != "full-unlimited", m != "full", m)):
+            summary = summaries.setdefault(backend, {})[method] = summarise(runs[backend][method])
+            failure = "-"
+            if summary["failures"]:
+                first = min(summary["failures"], key=lambda f: f["message"])
+                failure = (f"at message {first['message'] + 1} (step {first['step'] + 1})"
+                           + (f", {first['tokens']:,} tokens" if first.get("tokens") else "") + f": {first['error']}")
+            accuracy, agreement = summary["accuracy"], summary["agreement"]
+            label = "full, no limit (reference)" if method == "full-unlimited" else method
+            lines.append(
+                f"| {backend} | {label} | {summary['completed']}/{summary['sessions']} | {failure} | "
+                f"{summary['peak_bytes'] / mib:.1f} MiB | {_pct(*accuracy)} of {summary['answered']} | "
+                f"{_pct(*agreement) if method != 'full-unlimited' else '-'} | {summary['ttft_median']:.2f} s | "
+                f"{summary['ttft_last']:.2f} s |")
+    lines += ["", "Accuracy counts the questions a run answered (a failed session answers none after its failure).",
+              "", "## Answers by distance", "",
+              "Share of right answers by how many chunks were read after the one asked about, [95% bootstrap interval "
+              "over sessions], (questions).", "",
+              "| backend | method | " + " | ".join(label for _, _, label in DISTANCES) + " |",
+              "|---|---|" + "---|" * len(DISTANCES)]
+    for backend, methods in summaries.items():
+        for method, summary in methods.items():
+            cells = [f"{_pct(p, ci)} ({n})" for p, ci, n in summary["by_distance"].values()]
+            lines.append(f"| {backend} | {method} | " + " | ".join(cells) + " |")
+    plot_path = _plot(runs, summaries, config, figures)
+    lines += ["", "## KV held per message", "", f"![KV bytes per message]({figures.name}/{plot_path.name})", "",
+              "The most K/V bytes each message held (its prefill included), session by session, against the tokens "
+              "of the conversation so far; full attention stops where the limit ends it. vLLM's figure is its own KV "
+              "pool gauge sampled every 50 ms while the message runs (the pool's blocks, a block of 128 tokens).",
+              "", "## Commands", ""]
+    for backend in summaries:
+        lines.append(f"- {backend}: {_command(backend, config)}")
+    lines += ["- page: `trikv bench agent-report " + str(folder) + f" --out {out}`", ""]
+    out.write_text("\n".join(lines))
+    return out
+
+
+def _plot(runs: dict, summaries: dict, config: dict, figures: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    backends = list(summaries)
+    fig, axes = plt.subplots(1, len(backends), figsize=(5.2 * len(backends), 4.2), squeeze=False)
+    colours = {}
+    palette = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for axis, backend in zip(axes[0], backends):
+        for method, cells in runs[backend].items():
+            colour = colours.setdefault(method, "black" if method.startswith("full") else palette[len(colours) % len(palette)])
+            style = ":" if method == "full-unlimited" else "-"
+            for index, seed in enumerate(sorted(cells)):
+                records = cells[seed]["records"]
+                x = [r["tokens"] if r["tokens"] is not None else i for i, r in enumerate(records)]
+                y = [r["peak_bytes"] / 2**20 for r in records]
+                axis.plot(x, y, style, color=colour, alpha=0.8, lw=1.2,
+                          label=("full, no limit" if method == "full-unlimited" else method) if index == 0 else None)
+                if cells[seed]["error"] and x:
+                    axis.plot(x[-1], y[-1], "x", color=colour, ms=8)
+        axis.axhline(config["cap_bytes"] / 2**20, color="red", lw=1, ls="--", label="memory limit")
+        axis.set_title(backend)
+        axis.set_xlabel("tokens in the conversation")
+        axis.set_ylabel("peak K/V held in the message (MiB)")
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=7)
+    fig.tight_layout()
+    path = figures / "kv_per_message.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
