@@ -1142,3 +1142,36 @@ def test_math_evaluation_skips_the_rows_the_shipped_statistics_were_calibrated_o
     assert len(problems) == 500 - len(reserved) and not ids & reserved
     assert [p["id"] for p in math_task.load_problems("math500", limit=252)][-2:] == ["math500-298", "math500-299"]
     assert math_task.reserved_rows("aime24") == set()
+
+
+def test_prefill_task_compares_compaction_while_prefilling_with_compaction_after(tmp_path, tokenizer):
+    """`--task prefill`: windows of the texts, each prompt compacted while prefilled in chunks (peak budget + slack +
+    chunk, rounds inside the prompt) and prefilled whole (peak the prompt, the first round after it); the page's
+    paired difference is the difference of the two pooled KLs, read by its interval."""
+    from trikv.benchmarks.quality.intervals import paired_fidelity_difference
+    from trikv.benchmarks.quality.report import sections
+    from trikv.benchmarks.quality.runner import config_from_preset, run_quality
+
+    model = tiny_model(vocab_size=len(tokenizer))
+    stats = tiny_stats(model)
+    config = config_from_preset("quick", tasks=["prefill"], methods=["triattention", "streaming"], budgets=[48],
+                                divide_length=16, texts=["python-reference"], prefill_prompt_tokens=200,
+                                prefill_continuation_tokens=64, prefill_chunk=40)
+    record = run_quality(config, tmp_path / "run", model=model, tokenizer=tokenizer, stats=stats, progress=False,
+                         log=lambda *a: None)
+    prefill = record["results"]["prefill"]
+    assert len(prefill["meta"]["windows"]) >= 2 and prefill["meta"]["windows"][0] == "python-reference#0"
+    for method in ("triattention", "streaming"):
+        during, after = prefill["during"][method]["48"], prefill["after"][method]["48"]
+        assert during["peak_entries"] <= 48 + 16 + 40 < after["peak_entries"] == 200
+        assert min(during["first_round"]) < 200 <= min(after["first_round"])  # rounds inside the prompt, or after it
+        assert during["positions"] == after["positions"] == 63 * len(prefill["meta"]["windows"])
+        difference = prefill["during_minus_after"][method]["48"]["kl"]
+        assert difference["difference"] == pytest.approx(during["kl"] - after["kl"])
+        low, high = difference["ci"]
+        assert low <= difference["difference"] <= high
+        assert paired_fidelity_difference(during, during)["kl"] == {"difference": 0.0, "ci": [0.0, 0.0]}
+    title, table = next((t, x) for t, x in sections(record, markdown=True) if t.startswith("Compaction while prefilling"))
+    assert "windows of 200 prompt + 64 teacher-forced tokens" in title and "| 48 | triattention |" in table
+    with pytest.raises(ValueError, match=r"budgets \[256\] leave the 200-token prompt nothing to compact"):
+        config_from_preset("quick", tasks=["prefill"], budgets=[256], prefill_prompt_tokens=200)

@@ -23,7 +23,7 @@ def _names(text: str) -> list[str]:
 
 def add_quality_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", default="quick", help="quick (default: all tasks but math, < 20 min on 2 CPU cores) or full")
-    parser.add_argument("--task", type=_names, default=None, help="comma list of fidelity,dfs,needle,math or 'all' (default: the preset's)")
+    parser.add_argument("--task", type=_names, default=None, help="comma list of fidelity,dfs,needle,math,prefill or 'all' (default: the preset's)")
     parser.add_argument("--model", default=None, help="bundled name, local folder or hub id (default smollm2-135m)")
     parser.add_argument("--stats", default=None, help="TriAttention statistics file (default: the model's bundled stats)")
     parser.add_argument("--methods", type=_names, default=None, help="comma list of registered methods (`trikv methods`)")
@@ -50,6 +50,12 @@ def add_quality_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--trace-tokens", type=int, default=None, help="tokens of each trace after its prompt (default 2048)")
     group.add_argument("--recall-stride", type=int, default=None, help="measure recall on every n-th query")
     group.add_argument("--horizons", type=_ints, default=None, help="horizon bucket edges, e.g. 128,1024,4096")
+    group = parser.add_argument_group("prefill (compaction while prefilling against compaction after it)")
+    group.add_argument("--prefill-prompt-tokens", type=int, default=None,
+                       help="prompt of each window, cut from the texts (default 1536; longer than budget + divide_length)")
+    group.add_argument("--prefill-continuation-tokens", type=int, default=None,
+                       help="teacher-forced tokens after each prompt, where KL is measured (default 512)")
+    group.add_argument("--prefill-chunk", type=int, default=None, help="prefill chunk size (default 512)")
     group = parser.add_argument_group("DFS state query")
     group.add_argument("--dfs-mode", default=None, choices=["teacher-forced", "generative", "both"])
     group.add_argument("--dfs-graphs", type=int, default=None)
@@ -100,7 +106,8 @@ def config_from_args(args):
         dfs_ks=args.dfs_ks, dfs_prompt=args.dfs_prompt, dfs_min_nodes=_node_range(args.dfs_nodes)[0], dfs_max_nodes=_node_range(args.dfs_nodes)[1], needle_lengths=args.needle_lengths, needle_depths=args.needle_depths,
         math_datasets=args.math_datasets, math_limit=args.limit, math_problems=args.problems, math_samples=args.samples,
         math_max_new_tokens=args.max_new_tokens, math_engine=args.math_engine, math_temperature=args.temperature,
-        math_batch=args.math_batch, dtype=args.dtype,
+        math_batch=args.math_batch, dtype=args.dtype, prefill_prompt_tokens=args.prefill_prompt_tokens,
+        prefill_continuation_tokens=args.prefill_continuation_tokens, prefill_chunk=args.prefill_chunk,
     )
 
 

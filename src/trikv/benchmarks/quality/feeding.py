@@ -5,7 +5,8 @@ holds budget + divide_length live entries. Feeding the next tokens in one forwar
 crosses that threshold, therefore sees exactly the caches that one-token steps would see, and gives the
 same logits (up to float summation order). The plan:
 
-* forward 0 is the prompt (all of it, as `generate()` would prefill it);
+* the prompt goes in one forward (as `generate()` prefills a prompt that fits the slack), or in the cache's
+  prefill chunks with rounds between them (`prompt_chunks=True`: how trikv prefills a longer prompt);
 * every later forward holds at most `room` tokens, room = budget + divide_length - (live entries after the
   pre-hook's round, if one is due), and at most `max_chunk`;
 * after the prompt the cache is told it is decoding, so the later chunks are not counted as prompt.
@@ -83,8 +84,11 @@ class Feeder:
         attention_mask: torch.Tensor | None = None,
         prompt: bool = False,
         on_logits=None,
+        prompt_chunks: bool = False,
     ) -> torch.Tensor | None:
-        """Feed input_ids [b, n] (appended after what was fed before). `prompt=True`: one forward, the prompt.
+        """Feed input_ids [b, n] (appended after what was fed before). `prompt=True`: the prompt, in one forward, or
+        with `prompt_chunks` in the forwards `CompressedCache.chunk_bounds` gives (chunks of its prefill_chunk_size
+        with a round before any chunk that finds the cache at budget + divide_length).
 
         want_logits: True (every position), False (none), or a slice of positions of this call.
         on_logits(start, logits): called per forward with the logits [b, c, V] of tokens start.. (absolute
@@ -97,8 +101,13 @@ class Feeder:
         wanted = _wanted_range(want_logits, n)
         collected = []
         offset = 0
+        chunks = None
+        if prompt and prompt_chunks and isinstance(self.cache, CompressedCache):
+            chunks = [stop - start for start, stop in self.cache.chunk_bounds(n)]
         while offset < n:
-            if prompt:
+            if chunks:
+                count = chunks.pop(0)
+            elif prompt:
                 count = n
             else:
                 count = min(n - offset, room(self.cache, self.max_chunk))
@@ -119,11 +128,12 @@ class Feeder:
                 logits_to_keep=logits_to_keep,
             )
             if isinstance(self.cache, CompressedCache):
-                if not self.cache.decoding:
+                if not self.cache.decoding and not chunks:
                     self.cache.decoding = True  # later forwards are decode steps, not prompt
                 if self.cache.rounds != rounds_before:
                     self.log.round_times.append(start)
-                self._check_threshold()
+                if not prompt:  # a prompt's forward holds up to one chunk past the trigger
+                    self._check_threshold()
                 if self.track is not None:
                     self._track(start, end)
             self.log.spans.append((start, end))
@@ -135,7 +145,7 @@ class Feeder:
                     collected.append(logits.cpu())
             self.seen = end
             offset += count
-            prompt = False
+            prompt = bool(chunks)
         if on_logits is not None or not collected:
             return None
         return torch.cat(collected, dim=1)

@@ -198,15 +198,16 @@ class FidelityTask:
 
     @torch.no_grad()
     def run_method(self, cache, progress=None, accumulator: "FidelityAccumulator | None" = None,
-                   rows: torch.Tensor | None = None) -> tuple[dict, dict]:
+                   rows: torch.Tensor | None = None, prompt_chunks: bool = False) -> tuple[dict, dict]:
         """Feed the texts through `cache`; returns (fidelity metrics, eviction log for recall). With an
-        `accumulator`, the sums go into it at `rows` (the texts' indices in a larger set)."""
+        `accumulator`, the sums go into it at `rows` (the texts' indices in a larger set). `prompt_chunks`: the
+        prompt in the cache's prefill chunks with rounds between them, instead of one forward."""
         if self.reference is None:
             raise RuntimeError("run_reference() first")
         accumulator = FidelityAccumulator(rows=self.ids.shape[0]) if accumulator is None else accumulator
         T, P = self.length, self.prompt_length
         feeder = Feeder(self.model, cache, self.max_chunk, track_evictions=T)
-        feeder.feed(self.ids[:, :P], want_logits=False, prompt=True)
+        feeder.feed(self.ids[:, :P], want_logits=False, prompt=True, prompt_chunks=prompt_chunks)
         if progress is not None:
             progress(P)
 
@@ -449,13 +450,14 @@ class FidelitySuite:
             task.run_reference(progress=progress, recall=recall)
 
     @torch.no_grad()
-    def run_method(self, make_cache, progress=None) -> tuple[dict, dict]:
+    def run_method(self, make_cache, progress=None, prompt_chunks: bool = False) -> tuple[dict, dict]:
         """Feed every batch through a new cache from `make_cache()`; returns (metrics, log). The log holds each
-        batch's eviction times and round times (`batches`)."""
+        batch's eviction times and round times (`batches`). `prompt_chunks`: see `FidelityTask.run_method`."""
         accumulator = FidelityAccumulator(rows=self.rows)
         logs, first_round = [], [None] * self.rows
         for rows, task in self.batches:
-            result, log = task.run_method(make_cache(), progress, accumulator=accumulator, rows=rows)
+            result, log = task.run_method(make_cache(), progress, accumulator=accumulator, rows=rows,
+                                          prompt_chunks=prompt_chunks)
             logs.append(log)
             for row in rows.tolist():
                 first_round[row] = result["first_round"]

@@ -80,6 +80,19 @@ def add_fidelity_intervals(table: dict, seed: int = 0, resamples: int = RESAMPLE
         }
 
 
+def paired_fidelity_difference(cell: dict, other: dict, seed: int = 0, resamples: int = RESAMPLES,
+                               part: str = "all") -> dict:
+    """`cell` minus `other` (two runs over the same texts) for every fidelity figure, with the interval of paired
+    resamples over texts: {figure: {"difference", "ci"}}."""
+    units = len(cell["per_text"][part]["n"])
+    if len(other["per_text"][part]["n"]) != units:
+        raise ValueError("paired fidelity figures need the same texts in both cells")
+    weights = resample_weights(units, resamples, seed)
+    ours, theirs = fidelity_resamples(cell["per_text"][part], weights), fidelity_resamples(other["per_text"][part], weights)
+    return {figure: paired(_point(cell, part, figure), _point(other, part, figure), ours[figure], theirs[figure])
+            for figure in FIDELITY_FIGURES}
+
+
 def _point(cell: dict, part: str, figure: str) -> float:
     source = cell["compressed"] if part == "compressed" else cell
     return source[figure]

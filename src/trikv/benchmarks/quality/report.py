@@ -330,6 +330,8 @@ def sections(record: dict, markdown: bool) -> list[tuple[str, str]]:
                 if cell is not None:
                     rows.append([method] + [_fmt(cell["by_depth"].get(d, {}).get("accuracy"), 2) for d in depths])
             out.append((f"Passkey accuracy by needle depth, budget {budget}", render(["method"] + [f"depth {d}" for d in depths], rows, markdown)))
+    if "prefill" in results:
+        out += _prefill_sections(record, markdown)
     if "math" in results:
         math_results = results["math"]
         for dataset in math_results["meta"]["datasets"]:
@@ -377,6 +379,35 @@ def sections(record: dict, markdown: bool) -> list[tuple[str, str]]:
                             "the baseline solves; p: exact sign test)",
                             render(["budget", "variant", "baseline", "points", "+/-", "p"], against, markdown)))
     return out
+
+
+def _prefill_sections(record: dict, markdown: bool) -> list[tuple[str, str]]:
+    """The continuation's fidelity after a long prompt compacted while it was prefilled, against the same prompt
+    prefilled whole and compacted after; the paired difference and what its interval says."""
+    prefill = record["results"]["prefill"]
+    meta = prefill["meta"]
+    rows = []
+    for budget in _budgets(record):
+        for method in _methods(record):
+            during, after = _cell(prefill["during"], method, budget), _cell(prefill["after"], method, budget)
+            difference = (prefill["during_minus_after"].get(method) or {}).get(budget)
+            if during is None or after is None or difference is None:
+                continue
+            kl = difference["kl"]
+            low, high = kl["ci"]
+            reading = ("compaction during the prefill costs fidelity" if low > 0 else
+                       "compaction during the prefill is closer to full attention" if high < 0 else "no difference shown")
+            rows.append([budget, method, _interval(during["kl"], (during.get("ci") or {}).get("all", {}).get("kl"), 4),
+                         _interval(after["kl"], (after.get("ci") or {}).get("all", {}).get("kl"), 4),
+                         _difference(kl, 4), f"{_fmt(during['top1_agreement'], 3)} / {_fmt(after['top1_agreement'], 3)}",
+                         f"{during['peak_entries']} / {after['peak_entries']}", reading])
+    title = (f"Compaction while prefilling against compaction after it: {len(meta['windows'])} windows of "
+             f"{meta['prompt_tokens']:,} prompt + {meta['continuation_tokens']:,} teacher-forced tokens; the prompt "
+             f"prefilled in chunks of {meta['prefill_chunk']} with a round whenever the cache reaches budget + "
+             "divide_length (during), or in one forward and compacted at the first decode step (after); KL(full || "
+             "method) over the continuation [95% bootstrap over windows], the paired difference during minus after")
+    return [(title, render(["budget", "method", "KL during", "KL after", "during - after [95% paired]",
+                            "top-1 agreement during / after", "peak entries during / after", "reading"], rows, markdown))]
 
 
 def _id_ranges(problem_ids: list[str]) -> str:

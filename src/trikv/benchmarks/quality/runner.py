@@ -19,6 +19,7 @@ import logging
 import platform
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,7 +28,7 @@ import torch
 from ...selection import prompt_fits
 from ...settings import DEFAULT_DIVIDE_LENGTH, DEFAULT_MIN_DECODE_ROOM
 
-TASKS = ("fidelity", "dfs", "needle", "math")
+TASKS = ("fidelity", "dfs", "needle", "math", "prefill")
 FORMAT = "trikv-bench-quality/1"
 
 
@@ -90,6 +91,11 @@ class QualityConfig:
     math_problems: list[str] | None = None
     # weights and activations; bfloat16 halves the memory traffic of a decode step (and uses AMX on recent Xeons)
     dtype: str = "float32"
+    # prefill: a long prompt (windows of the fidelity texts) compacted while it is prefilled, in chunks, against
+    # the same prompt prefilled whole and compacted after; KL of the continuation that follows
+    prefill_prompt_tokens: int = 1536
+    prefill_continuation_tokens: int = 512
+    prefill_chunk: int = 512
 
     def fingerprint(self, grid: bool = True) -> str:
         """What decides whether a folder's units can be reused; grid=False leaves out the methods and budgets,
@@ -108,7 +114,8 @@ class QualityConfig:
 
 
 ADDED_LATER = {"math_temperature": 0.6, "math_batch": 1, "dtype": "float32", "math_problems": None, "traces": None,
-               "trace_tokens": 2048, "min_decode_room": DEFAULT_MIN_DECODE_ROOM}
+               "trace_tokens": 2048, "min_decode_room": DEFAULT_MIN_DECODE_ROOM, "prefill_prompt_tokens": 1536,
+               "prefill_continuation_tokens": 512, "prefill_chunk": 512}
 # the prompt-protection rule the units of a folder were computed under: the same for every method (prompt +
 # min_decode_room <= budget); folders from before it (a method's recent window counted too) are refused
 PROTECTION_RULE = "equal"
@@ -206,6 +213,17 @@ def validate(config: QualityConfig) -> None:
         raise ValueError(f"trace_tokens must be at least 2, got {config.trace_tokens}")
     if "fidelity" in config.tasks and not config.texts and not config.text_files and config.traces is None:
         raise ValueError("the fidelity task needs at least one text (--texts, --text-file or --traces)")
+    if "prefill" in config.tasks:
+        if not config.texts and not config.text_files:
+            raise ValueError("the prefill task needs at least one text (--texts or --text-file)")
+        for name in ("prefill_prompt_tokens", "prefill_continuation_tokens", "prefill_chunk"):
+            if getattr(config, name) < 2:
+                raise ValueError(f"{name} must be at least 2, got {getattr(config, name)}")
+        small = [b for b in config.budgets if b + config.divide_length >= config.prefill_prompt_tokens]
+        if small:
+            raise ValueError(f"the prefill task compares compaction during and after a prompt longer than budget + "
+                             f"divide_length; budgets {small} leave the {config.prefill_prompt_tokens}-token prompt "
+                             "nothing to compact while it is prefilled")
 
 
 # ---- fingerprints ---------------------------------------------------------------------------------
@@ -581,6 +599,80 @@ class QualityRun:
         if self.stats is not None:  # the statistics' query concentration (mean R over bands and heads) per layer
             meta["concentration_per_layer"] = [round(float(x), 5) for x in self.stats.head_concentration().mean(-1)]
         return {"fidelity": {"meta": meta, "methods": fidelity}, "recall": {"meta": meta | {"horizons": c.horizons, "query_stride": c.recall_stride}, "methods": recall}}
+
+    def _prefill_windows(self) -> tuple[list[str], list[list[int]]]:
+        """(names, token ids) of non-overlapping windows of prompt + continuation tokens cut from the run's texts."""
+        from .texts import load_texts, text_from_file, text_token_ids
+
+        c = self.config
+        shipped = {t.name: t for t in load_texts()}
+        missing = [name for name in c.texts if name not in shipped]
+        if missing:
+            raise ValueError(f"unknown text(s) {missing}; shipped: {', '.join(shipped)}")
+        width = c.prefill_prompt_tokens + c.prefill_continuation_tokens
+        names, windows = [], []
+        for text in [shipped[name] for name in c.texts] + [text_from_file(path) for path in c.text_files]:
+            ids = text_token_ids(text, self.tokenizer)
+            for index, start in enumerate(range(0, len(ids) - width + 1, width)):
+                names.append(f"{text.name}#{index}")
+                windows.append(ids[start : start + width])
+        if len(windows) < 2:
+            raise ValueError(f"the texts hold {len(windows)} window(s) of {width} tokens; the prefill task's intervals "
+                             "need at least 2 (more texts, or a shorter --prefill-prompt-tokens)")
+        return names, windows
+
+    def _run_prefill(self) -> dict:
+        """Per (method, budget): the continuation's fidelity when the prompt was compacted while it was prefilled
+        (the cache's prefill chunks, a round between chunks) and when it was prefilled whole and compacted at the
+        first decode step; paired per window."""
+        from .fidelity import FidelitySuite
+        from .intervals import add_fidelity_intervals, paired_fidelity_difference
+
+        c = self.config
+        names, windows = self._prefill_windows()
+        suite = FidelitySuite(self.model, windows, [c.prefill_prompt_tokens] * len(windows), c.max_chunk)
+        cells = [cell for cell in self.cells() if cell[0] != "full"]
+        todo = [(mode, cell) for cell in cells for mode in ("during", "after")
+                if self.units.get(f"prefill-{mode}", *cell) is None]
+        if todo:
+            bar = self._bar(suite.tokens, "prefill reference (full attention)")
+            self._timed("prefill-reference", lambda: suite.run_reference(progress=bar.update, recall=False))
+            bar.close()
+
+        def make(method, budget):
+            from ...cache import make_cache
+
+            return make_cache(self.model, method, budget=budget, divide_length=c.divide_length,
+                              protect_prompt=c.protect_prompt, min_decode_room=c.min_decode_room,
+                              prefill_chunk_size=c.prefill_chunk, **self.method_options(method))
+
+        for mode, (method, budget) in todo:
+            bar = self._bar(suite.tokens, f"prefill {mode} {method} B={budget}")
+            torch.manual_seed(c.seed)
+            with _quiet("trikv.cache"), warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # "after" feeds the long prompt whole on purpose
+                metrics, _ = self._timed(f"prefill-{mode}/{method}/{budget}", lambda: suite.run_method(
+                    lambda: make(method, budget), progress=bar.update, prompt_chunks=mode == "during"))
+            bar.close()
+            metrics["seconds"] = self.unit_seconds[f"prefill-{mode}/{method}/{budget}"]
+            self.units.put(f"prefill-{mode}", method, budget, metrics)
+            self.log(f"  prefill {mode:>6} {method:>14} B={budget:<5} KL {metrics['kl']:.4f}  agreement "
+                     f"{metrics['top1_agreement']:.3f}  peak entries {metrics['peak_entries']}  {metrics['seconds']:.0f} s")
+        table = {}
+        for method, budget in cells:
+            key = budget_key(method, budget)
+            modes = {mode: self.units.get(f"prefill-{mode}", method, budget) for mode in ("during", "after")}
+            for mode, metrics in modes.items():
+                table.setdefault(mode, {}).setdefault(method, {})[key] = metrics
+        for mode in table:
+            add_fidelity_intervals(table[mode], seed=c.seed)
+        differences = {method: {key: paired_fidelity_difference(table["during"][method][key], table["after"][method][key],
+                                                                seed=c.seed)
+                                for key in table["during"][method]} for method in table.get("during", {})}
+        meta = {"windows": names, "prompt_tokens": c.prefill_prompt_tokens,
+                "continuation_tokens": c.prefill_continuation_tokens, "prefill_chunk": c.prefill_chunk}
+        return {"prefill": {"meta": meta, "during": table.get("during", {}), "after": table.get("after", {}),
+                            "during_minus_after": differences}}
 
     def _oracle_schedules(self) -> dict:
         """{("oracle", budget): (round times per batch of texts, budget)} for budgets whose oracle recall is not
