@@ -252,7 +252,7 @@ def test_trace_validity_rule_separates_loops_from_reasoning():
     prose = " ".join(str(generator.choice(words)) + str(generator.integers(0, 50)) for _ in range(700))
     prose_ids = [hash(word) % 1000 for word in prose.split()]
     sane = validity.trace_validity(prose, prose_ids, attempts=2, min_tokens=600)
-    assert sane.valid and sane.compression >= validity.MIN_COMPRESSION and sane.repeat_share <= validity.MAX_REPEAT_SHARE
+    assert sane.valid and sane.masked_compression >= validity.MIN_MASKED_COMPRESSION and sane.repeat_share <= validity.MAX_REPEAT_SHARE
     loop_text = "The answer is \\boxed{}. " * 300
     loop_ids = [1, 2, 3, 4, 5] * 300
     looped = validity.trace_validity(loop_text, loop_ids, attempts=1)

@@ -1,54 +1,105 @@
 """Whether a reasoning trace is text a bounded cache should be judged on, and not a loop.
 
-Small models sampled for 2,000 tokens often fall into a loop (`\\boxed{}` written 500 times, one line over and
-over); a cache that keeps the loop's last lines then looks perfect, whatever it evicted. The rule below was fixed
-before the shipped traces were regenerated under it:
+Small models sampled for 2,000 tokens often fall into a loop: `\\boxed{}` written 500 times, one line over and
+over, or a line repeated with a number that counts up ("Step 7: You can provide both.", "1 + 2 + 3 + ...",
+`z_{52}^{2} z_{53}^{2} ...`). A cache that keeps the loop's last lines then looks perfect, whatever it evicted.
 
-- compression: zlib (level 9) compressed bytes / UTF-8 bytes of the trace >= `MIN_COMPRESSION` (0.12; the
-  1.5B's non-looping traces measure 0.20-0.30, looping ones 0.01-0.10);
-- repetition: the longest run of tokens that occurs twice in the trace (overlaps allowed) is at most
-  `MAX_REPEAT_SHARE` (10%) of its tokens (non-looping traces: 1-5%; loops: 30-99%);
+The rule. Every run of digits in the text is first masked to a single `0` (`mask_digits`), so that a counting loop
+is the repetition it is; then a trace is valid when
+
+- compression: zlib (level 9) compressed bytes / UTF-8 bytes of the masked trace >= `MIN_MASKED_COMPRESSION`;
+- repetition: the longest run of characters that occurs twice in the masked trace (overlaps allowed) is at most
+  `MAX_REPEAT_SHARE` of its characters;
 - length: the trace reaches the length it was written for (2,048 tokens).
 
-While traces are written, a sampled attempt is rejected, and another seed drawn, when its longest repeat exceeds
-`MAX_REPEAT_SHARE` of a whole trace (`MIN_TOKENS`), or when it is at least `COMPRESSION_MIN_TOKENS` long and
-compresses below `MIN_COMPRESSION`. A model's trace set enters a page's headline only when at least
-`MIN_VALID_SHARE` (75%) of its traces are valid, and only the valid traces are fed; a model that cannot write them
-is reported as such.
+The two thresholds come from human-written text, never from traces (`derive_thresholds`): the shipped real
+fidelity texts (`python-reference`, `stdlib-source`, `math-solutions` in `data/fidelity_texts.jsonl`) are cut
+into every window of `HUMAN_WINDOW_CHARS` characters (about the 2,048 tokens a trace is written to) starting
+every `HUMAN_WINDOW_STEP` characters, masked the same way; a trace fails when it compresses to less than half the
+ratio of the most compressible human window, or when its longest repeat is more than twice the longest share of
+any human window. The factors (one half, two) are round numbers fixed with the rule, not searched over. The
+rule was written after the earlier trace sets had been seen, so it is not blind to them: it was committed before
+any set was judged under it, and what it does to them is reported, not tuned.
+
+A line-template figure is computed beside them but is not part of the rule (`template_share`: the share of the
+masked text in lines that repeat an earlier line): the human texts give it no fair anchor, since prose and code
+repeat few whole lines while worked arithmetic repeats its line templates legitimately.
+
+While traces are written, a sampled attempt is rejected, and another seed drawn, when its longest masked repeat
+exceeds `MAX_REPEAT_SHARE` of a whole trace (`MIN_TOKENS` tokens, in the attempt's own characters per token), or
+when it is at least `COMPRESSION_MIN_TOKENS` long and compresses below `MIN_MASKED_COMPRESSION`. A model's trace
+set enters a page's headline only when at least `MIN_VALID_SHARE` (75%) of its traces are valid, and only the
+valid traces are fed; a model that cannot write them is reported as such.
 """
 
 from __future__ import annotations
 
+import re
 import zlib
 from dataclasses import asdict, dataclass
 
 import numpy as np
 
-MIN_COMPRESSION = 0.12
-MAX_REPEAT_SHARE = 0.10
-COMPRESSION_MIN_TOKENS = 512  # shorter texts compress too little for the ratio to say anything
+HUMAN_TEXTS = ("python-reference", "stdlib-source", "math-solutions")
+HUMAN_WINDOW_CHARS = 6000
+HUMAN_WINDOW_STEP = 1500
+COMPRESSION_FACTOR = 0.5  # a trace may compress at most twice as well as the most compressible human window
+REPEAT_FACTOR = 2.0  # and repeat at most twice the longest share any human window repeats
+# what `derive_thresholds` gives on the shipped texts (a test recomputes them): the anchors and the thresholds
+HUMAN_MIN_MASKED_COMPRESSION = 0.2729
+HUMAN_MAX_REPEAT_SHARE = 0.0448
+MIN_MASKED_COMPRESSION = 0.136
+MAX_REPEAT_SHARE = 0.090
+COMPRESSION_MIN_TOKENS = 512  # shorter attempts compress too little for the ratio to say anything
 MIN_VALID_SHARE = 0.75
+
+_DIGITS = re.compile(r"\d+")
 
 
 @dataclass
 class Validity:
-    """A trace's validity figures and the rule's verdict."""
+    """A trace's validity figures and the rule's verdict. Files written under the earlier rule hold only the
+    first seven fields (their `longest_repeat` counted tokens of the unmasked text)."""
 
     tokens: int
-    compression: float  # zlib compressed / raw bytes
-    longest_repeat: int  # tokens of the longest run occurring twice
-    repeat_share: float  # longest_repeat / tokens
+    compression: float  # zlib compressed / raw bytes of the text as written (not part of the rule)
+    longest_repeat: int  # characters of the longest run occurring twice in the masked text
+    repeat_share: float  # longest_repeat / characters of the masked text
     attempts: int  # sampled answers glued together (separated by a blank line)
     rejected: int  # sampled attempts rejected as loops while the trace was written
     valid: bool
+    masked_compression: float | None = None  # zlib compressed / raw bytes of the masked text
+    template_share: float | None = None  # share of the masked text in lines repeating an earlier line (reported only)
+    rule: str | None = None  # which rule gave the verdict ("masked" for this one)
 
     def as_dict(self) -> dict:
         return asdict(self)
 
 
+def mask_digits(text: str) -> str:
+    """`text` with every run of digits replaced by one `0`: "Step 12: 3^{45}" -> "Step 0: 0^{0}"."""
+    return _DIGITS.sub("0", text)
+
+
 def compression_ratio(text: str) -> float:
     raw = text.encode("utf-8")
     return len(zlib.compress(raw, 9)) / max(1, len(raw))
+
+
+def template_share(text: str) -> float:
+    """Share of the characters of `text`'s non-blank lines (digits masked, whitespace collapsed) that sit in a line
+    equal to an earlier one."""
+    seen: set[str] = set()
+    repeated = total = 0
+    for line in mask_digits(text).split("\n"):
+        key = " ".join(line.split())
+        if not key:
+            continue
+        total += len(key)
+        if key in seen:
+            repeated += len(key)
+        seen.add(key)
+    return repeated / max(1, total)
 
 
 def suffix_array(ids) -> np.ndarray:
@@ -94,22 +145,74 @@ def longest_repeat(ids: list[int]) -> int:
     return best
 
 
+def longest_text_repeat(text: str) -> int:
+    """Characters of the longest run that occurs twice in `text` (overlaps allowed)."""
+    return longest_repeat([ord(c) for c in text])
+
+
+def human_windows(texts: dict[str, str] | None = None) -> list[tuple[str, int, str]]:
+    """(text name, start, window) of every `HUMAN_WINDOW_CHARS`-character window, every `HUMAN_WINDOW_STEP`
+    characters, of the human texts (default: the shipped `HUMAN_TEXTS`)."""
+    if texts is None:
+        from .texts import load_texts
+
+        shipped = {text.name: text for text in load_texts()}
+        texts = {name: shipped[name].text for name in HUMAN_TEXTS}
+    windows = []
+    for name, text in texts.items():
+        for start in range(0, len(text) - HUMAN_WINDOW_CHARS + 1, HUMAN_WINDOW_STEP):
+            windows.append((name, start, text[start : start + HUMAN_WINDOW_CHARS]))
+    return windows
+
+
+def derive_thresholds(texts: dict[str, str] | None = None) -> dict:
+    """The rule's thresholds from human-written text alone: half the masked zlib ratio of the most compressible
+    window, twice the longest repeat share of the most repetitive one (rounded to 3 decimals), with the anchors
+    and the windows they came from."""
+    windows = human_windows(texts)
+    if not windows:
+        raise ValueError(f"no human text holds a {HUMAN_WINDOW_CHARS:,}-character window")
+    compression = [(compression_ratio(mask_digits(window)), name, start) for name, start, window in windows]
+    repeats = []
+    for name, start, window in windows:
+        masked = mask_digits(window)
+        repeats.append((longest_text_repeat(masked) / len(masked), name, start))
+    least, most = min(compression), max(repeats)
+    return {"windows": len(windows), "human_min_masked_compression": least[0], "most_compressible_window": least[1:],
+            "human_max_repeat_share": most[0], "most_repetitive_window": most[1:],
+            "min_masked_compression": round(COMPRESSION_FACTOR * least[0], 3),
+            "max_repeat_share": round(REPEAT_FACTOR * most[0], 3)}
+
+
+def masked_figures(text: str) -> tuple[float, int, float]:
+    """(masked zlib ratio, longest masked repeat in characters, its share of the masked text)."""
+    masked = mask_digits(text)
+    repeat = longest_text_repeat(masked)
+    return compression_ratio(masked), repeat, repeat / max(1, len(masked))
+
+
 def attempt_is_loop(text: str, ids: list[int], trace_tokens: int) -> bool:
-    """The rejection test for one sampled attempt (see the module docstring)."""
-    if longest_repeat(ids) > MAX_REPEAT_SHARE * trace_tokens:
+    """The rejection test for one sampled attempt (see the module docstring): a whole trace of `trace_tokens` tokens
+    is counted in characters at this attempt's own characters per token."""
+    if not ids or not text:
+        return False
+    compression, repeat, _ = masked_figures(text)
+    whole_trace_chars = trace_tokens * len(mask_digits(text)) / len(ids)
+    if repeat > MAX_REPEAT_SHARE * whole_trace_chars:
         return True
-    return len(ids) >= COMPRESSION_MIN_TOKENS and compression_ratio(text) < MIN_COMPRESSION
+    return len(ids) >= COMPRESSION_MIN_TOKENS and compression < MIN_MASKED_COMPRESSION
 
 
-def trace_validity(text: str, ids: list[int], attempts: int, rejected: int = 0, min_tokens: int = 0) -> Validity:
-    """The figures of one trace (`ids`: its tokens) and the verdict; a trace shorter than `min_tokens` (what it
-    was written to reach) is not valid either."""
-    repeat = longest_repeat(ids)
-    ratio = compression_ratio(text)
-    share = repeat / max(1, len(ids))
-    valid = ratio >= MIN_COMPRESSION and share <= MAX_REPEAT_SHARE and len(ids) >= min_tokens
-    return Validity(tokens=len(ids), compression=ratio, longest_repeat=repeat, repeat_share=share, attempts=attempts,
-                    rejected=rejected, valid=valid)
+def trace_validity(text: str, ids: list[int], attempts: int, rejected: int = 0, min_tokens: int = 0,
+                   tokens: int | None = None) -> Validity:
+    """The figures of one trace (`ids`: its tokens, or `tokens`: their count where the text was counted before)
+    and the verdict; a trace shorter than `min_tokens` (what it was written to reach) is not valid either."""
+    count = len(ids) if tokens is None else tokens
+    masked_compression, repeat, share = masked_figures(text)
+    valid = masked_compression >= MIN_MASKED_COMPRESSION and share <= MAX_REPEAT_SHARE and count >= min_tokens
+    return Validity(tokens=count, compression=compression_ratio(text), longest_repeat=repeat, repeat_share=share,
+                    attempts=attempts, rejected=rejected, valid=valid, masked_compression=masked_compression,
+                    template_share=template_share(text), rule="masked")
 
 
 def set_is_usable(validities: list[Validity]) -> bool:
@@ -117,6 +220,15 @@ def set_is_usable(validities: list[Validity]) -> bool:
     return bool(validities) and sum(v.valid for v in validities) >= MIN_VALID_SHARE * len(validities)
 
 
-RULE_TEXT = (f"valid when zlib compression >= {MIN_COMPRESSION}, the longest repeated token run <= "
-             f"{MAX_REPEAT_SHARE:.0%} of the trace and it reaches its length; attempts that loop are rejected while writing (another seed); a "
-             f"model's set enters the headline with >= {MIN_VALID_SHARE:.0%} valid traces, and only valid traces are fed")
+def judged_by_this_rule(figures: dict | None) -> bool:
+    """Whether a trace's stored figures were computed under this rule (files judged earlier lack its fields)."""
+    return bool(figures) and figures.get("rule") == "masked"
+
+
+RULE_TEXT = (f"digits masked first (each run of digits -> 0, so a line repeated with a counting number is a repeat); "
+             f"valid when the masked text's zlib ratio >= {MIN_MASKED_COMPRESSION} (half the "
+             f"{HUMAN_MIN_MASKED_COMPRESSION:.3f} of the most compressible {HUMAN_WINDOW_CHARS:,}-character window of "
+             f"the shipped human texts: {', '.join(HUMAN_TEXTS)}), its longest repeated run <= {MAX_REPEAT_SHARE:.1%} "
+             f"of its characters (twice the {HUMAN_MAX_REPEAT_SHARE:.1%} of the most repetitive human window) and it "
+             f"reaches its length; attempts that loop are rejected while writing (another seed); a model's set enters "
+             f"the headline with >= {MIN_VALID_SHARE:.0%} valid traces, and only valid traces are fed")
