@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .texts import FidelityText
-from .validity import MAX_REPEAT_SHARE, RULE_TEXT, attempt_is_loop, longest_repeat, trace_validity
+from .validity import MAX_REPEAT_SHARE, RULE_TEXT, attempt_is_loop, mask_digits, longest_text_repeat, trace_validity
 
 TRACES_DIR = Path(__file__).resolve().parent / "data" / "traces"
 SPLITS = ("evaluation", "design")
@@ -55,6 +56,7 @@ class Trace:
     source: str
     rejected_seeds: list[int] = field(default_factory=list)  # attempts rejected as loops (`validity.attempt_is_loop`)
     validity: dict | None = None  # `validity.Validity` figures of `text` (None in files written before the rule)
+    sampling: dict | None = None  # {"temperature", "top_p", "top_k"} (None in files written before it was recorded)
 
     def as_text(self) -> FidelityText:
         return FidelityText(self.name, "trace", self.text, prompt=self.prompt, source=self.source, seed=self.seeds[0])
@@ -62,6 +64,25 @@ class Trace:
     @property
     def valid(self) -> bool:
         return bool(self.validity and self.validity["valid"])
+
+    def sampling_settings(self) -> dict | None:
+        """How the trace was sampled: the recorded settings, or those its `source` line states (files written
+        before the settings were recorded), or None when neither says."""
+        if self.sampling:
+            return dict(self.sampling)
+        found = re.search(r"T ([0-9.]+), top-p ([0-9.]+)(?:, top-k ([0-9]+))?", self.source or "")
+        if not found:
+            return None
+        return {"temperature": float(found.group(1)), "top_p": float(found.group(2)),
+                "top_k": int(found.group(3)) if found.group(3) else 0}
+
+
+def sampling_label(sampling: dict | None) -> str:
+    """'T 0.6, top-p 0.95' (with ', top-k 64' where top-k sampling was on), or 'not recorded'."""
+    if not sampling:
+        return "not recorded"
+    return (f"T {sampling['temperature']:g}, top-p {sampling['top_p']:g}"
+            + (f", top-k {sampling['top_k']}" if sampling.get("top_k") else ""))
 
 
 def trace_file(model: str) -> Path:
@@ -155,8 +176,17 @@ def write_traces(model_name: str, split: str, seed: int = 0, dtype: str = "float
     eos = set([tokenizer.eos_token_id] if isinstance(tokenizer.eos_token_id, int) else tokenizer.eos_token_id or [])
 
     def loops(generated: "torch.Tensor") -> list[bool]:  # [rows, steps]: stop an attempt once it is a loop
-        rows = generated.tolist()  # a row that wrote EOS has finished: left alone
-        return [not eos.intersection(row) and longest_repeat(row) > MAX_REPEAT_SHARE * min_tokens for row in rows]
+        # the rejection rule's repeat test on the text written so far, digits masked (a counting loop is caught
+        # while it is written, not after it has used up the attempt); a row that wrote EOS has finished
+        halted = []
+        for row in generated.tolist():
+            if eos.intersection(row):
+                halted.append(False)
+                continue
+            masked = mask_digits(tokenizer.decode(row, skip_special_tokens=True))
+            whole_trace_chars = min_tokens * len(masked) / max(1, len(row))
+            halted.append(longest_text_repeat(masked) > MAX_REPEAT_SHARE * whole_trace_chars)
+        return halted
 
     sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k}
     for attempt in range(first_attempt, first_attempt + MAX_ATTEMPTS if redo_invalid else MAX_ATTEMPTS):
@@ -202,6 +232,7 @@ def write_traces(model_name: str, split: str, seed: int = 0, dtype: str = "float
                     f"top-p {top_p}" + (f", top-k {top_k}" if top_k else "") + f", seeds {seeds[pid]}"
                     + (f"; command: {command}" if command else "")),
             rejected_seeds=rejected[pid], validity=validity.as_dict(),
+            sampling={"temperature": temperature, "top_p": top_p, "top_k": top_k},
         ))
     path = Path(out) if out is not None else trace_file(model_name)
     kept_rows = []
@@ -213,18 +244,26 @@ def write_traces(model_name: str, split: str, seed: int = 0, dtype: str = "float
 
 
 def assess_traces(model_name: str, split: str) -> list[Trace]:
-    """Recompute the validity figures of `model_name`'s shipped `split` traces (tokens as its tokenizer reads them)
-    and write them into the trace file; the text is left as it is."""
-    from transformers import AutoTokenizer
-
-    from ...models import resolve_model_path
-    from ...prompts import continuation_ids
-
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(model_name))
+    """Judge `model_name`'s shipped `split` traces again under the current validity rule and write the figures into
+    the trace file; the text is left as it is. The rule's figures are read from the text; the token count is the
+    one recorded with the earlier figures (the text has not changed, nor has its tokenizer), and only traces that
+    carry none are counted with the model's tokenizer."""
     traces = load_traces(model_name, split)
+    tokenizer = None
     for trace in traces:
-        trace.validity = trace_validity(trace.text, continuation_ids(tokenizer, trace.text), attempts=len(trace.seeds),
-                                        rejected=len(trace.rejected_seeds), min_tokens=MIN_TOKENS).as_dict()
+        counted = (trace.validity or {}).get("tokens")
+        if counted is None:
+            if tokenizer is None:
+                from transformers import AutoTokenizer
+
+                from ...models import resolve_model_path
+
+                tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(model_name))
+            from ...prompts import continuation_ids
+
+            counted = len(continuation_ids(tokenizer, trace.text))
+        trace.validity = trace_validity(trace.text, [], attempts=len(trace.seeds), rejected=len(trace.rejected_seeds),
+                                        min_tokens=MIN_TOKENS, tokens=counted).as_dict()
     path = trace_file(model_name)
     rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     updated = {trace.name: trace for trace in traces}
@@ -280,8 +319,8 @@ def main(argv: list[str] | None = None) -> None:
     for trace in traces:
         figures = trace.validity
         print(f"{trace.name}: {trace.tokens} tokens in {len(trace.seeds)} attempt(s) ({len(trace.rejected_seeds)} rejected); "
-              f"compression {figures['compression']:.3f}, longest repeat {figures['repeat_share']:.1%}: "
-              + ("valid" if figures["valid"] else "NOT valid"))
+              f"masked compression {figures['masked_compression']:.3f}, longest masked repeat {figures['repeat_share']:.1%}, "
+              f"repeated line templates {figures['template_share']:.1%}: " + ("valid" if figures["valid"] else "NOT valid"))
     print(f"{sum(t.valid for t in traces)} of {len(traces)} valid ({RULE_TEXT})")
     if out is not None:
         print(f"wrote {out}; `trikv bench quality --traces` reads the shipped file: write it with --ship")
