@@ -65,6 +65,13 @@ class Trace:
     def valid(self) -> bool:
         return bool(self.validity and self.validity["valid"])
 
+    def as_row(self) -> dict:
+        """The trace as a row of its file (a row written before sampling settings were recorded stays as it was)."""
+        row = dict(self.__dict__)
+        if row["sampling"] is None:
+            del row["sampling"]
+        return row
+
     def sampling_settings(self) -> dict | None:
         """How the trace was sampled: the recorded settings, or those its `source` line states (files written
         before the settings were recorded), or None when neither says."""
@@ -239,7 +246,7 @@ def write_traces(model_name: str, split: str, seed: int = 0, dtype: str = "float
     if path.is_file():
         kept_rows = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip() and json.loads(line)["split"] != split]
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(kept_rows + [json.dumps(trace.__dict__, ensure_ascii=False) for trace in traces]) + "\n", encoding="utf-8")
+    path.write_text("\n".join(kept_rows + [json.dumps(trace.as_row(), ensure_ascii=False) for trace in traces]) + "\n", encoding="utf-8")
     return traces
 
 
@@ -267,7 +274,7 @@ def assess_traces(model_name: str, split: str) -> list[Trace]:
     path = trace_file(model_name)
     rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     updated = {trace.name: trace for trace in traces}
-    lines = [json.dumps(updated[row["name"]].__dict__ if row["split"] == split else row, ensure_ascii=False) for row in rows]
+    lines = [json.dumps(updated[row["name"]].as_row() if row["split"] == split else row, ensure_ascii=False) for row in rows]
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return traces
 
