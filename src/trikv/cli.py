@@ -377,7 +377,10 @@ def _add_analyze(sub) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
     parser = argparse.ArgumentParser(prog="trikv", description="Bounded KV caches for long reasoning (TriAttention and baselines)")
+    parser.add_argument("--version", action="version", version=f"trikv {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_calibrate(sub)
     _add_generate(sub)
