@@ -7,11 +7,14 @@
 #   bash scripts/bench_bigger_models.sh --help
 #
 # Steps: traces gemma3 heldout2 fidelity heldout1 design report analysis earlier
-#   traces    SmolLM2's and Qwen2.5-Coder-0.5B's invalid evaluation traces written again under the validity rule
-#             from fresh seeds, the valid ones kept (SmolLM2: ~2 h at one thread beside another job)
+#   traces    every shipped trace set judged again under the validity rule (digits masked, thresholds from human
+#             text), then the invalid traces written again from fresh seeds, the valid ones kept (SmolLM2's five
+#             counting loops: ~35 min at one thread beside two other jobs; Gemma-3's one: see the gemma3 step;
+#             the 0.5B's seven: ~1.5 h; the 1.5B's two design traces: ~1 h)
 #   gemma3    Gemma-3-270M's calibration text, statistics and evaluation traces (BOS, plain completion prompts,
 #             Gemma's recommended sampling T 1.0, top-k 64, top-p 0.95: ~2 h at one thread beside another job)
-#   heldout2  the second pre-registered test (docs/preregistration.json, heldout-2): B = 128 then 256 (~4 h each)
+#   heldout2  the second pre-registered test (docs/preregistration.json, heldout-2): B = 128 then 256 (~72 min a
+#             cell at two threads: the two missing B = 128 cells ~2.4 h, the four B = 256 cells ~4.8 h)
 #   fidelity  fidelity and recall on each model's valid evaluation traces, the whole field, B = 128 (~0.5-1.5 h each)
 #   heldout1  the first pre-registered test again (rows 300-399, B = 128, ~3 h), for its section and the pooled figure
 #             (both held-out steps keep their answers in docs/runs/ after every chunk and resume from that copy)
@@ -27,7 +30,7 @@ SHIP=0
 STEPS=()
 for arg in "$@"; do
   case "$arg" in
-    -h|--help) sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     --ship) SHIP=1 ;;
     traces|gemma3|heldout2|fidelity|heldout1|design|report|analysis|earlier) STEPS+=("$arg") ;;
     *) echo "bench_bigger_models.sh: unknown argument $arg (see --help)" >&2; exit 2 ;;
@@ -65,8 +68,16 @@ restore_answers() {  # a run folder absent from runs/ starts from the kept copy 
 # ---- docs/results.md ------------------------------------------------------------------------------------------
 if wants traces; then
   needs_ship traces
+  for split in "smollm2-135m evaluation" "gemma3-270m evaluation" "qwen2.5-coder-0.5b evaluation" \
+               "qwen2.5-coder-1.5b evaluation" "qwen2.5-coder-1.5b design"; do
+    set -- $split
+    python -m trikv.benchmarks.quality.traces --model $1 --split $2 --assess --ship   # the text stays, the verdict is new
+  done
   python -m trikv.benchmarks.quality.traces --model smollm2-135m --split evaluation --redo-invalid --threads 2 --ship
+  python -m trikv.benchmarks.quality.traces --model gemma3-270m --split evaluation --engine transformers \
+    --temperature 1.0 --top-k 64 --top-p 0.95 --redo-invalid --threads 2 --ship
   python -m trikv.benchmarks.quality.traces --model qwen2.5-coder-0.5b --split evaluation --dtype bfloat16 --redo-invalid --threads 2 --ship
+  python -m trikv.benchmarks.quality.traces --model qwen2.5-coder-1.5b --split design --dtype bfloat16 --redo-invalid --threads 2 --ship
 fi
 if wants gemma3; then
   needs_ship gemma3
@@ -77,6 +88,10 @@ if wants gemma3; then
     --temperature 1.0 --top-k 64 --top-p 0.95 --threads 2 --ship
 fi
 if wants heldout2; then
+  # Every cell computes at two threads and records its fingerprint (commit, threads, inputs); a cell whose fingerprint
+  # differs from the invocation's is computed again. The three B = 128 cells finished before cells recorded one
+  # (triattention, rkv, triattention-dedup) are reused as they are (--reuse-unrecorded) and the page says their commit
+  # and thread count were not recorded: computing them again would take ~3.6 h and could change bf16 answers.
   heldout2=$(python -c "print(','.join(f'math500-{i}' for i in [*range(137, 200), *range(433, 500)]))")
   restore_answers runs/quality/qwen2.5-coder-1.5b-heldout2
   budgets=""
@@ -88,7 +103,8 @@ if wants heldout2; then
           [ "$method" = full ] && [ "$budget" = 256 ] && continue  # full attention does not depend on the budget
           trikv bench quality --task math --model qwen2.5-coder-1.5b --budgets $budget --samples 1 --math-batch 32 \
             --temperature 0 --max-new-tokens 1024 --problems "$(echo "$heldout2" | cut -d, -f1-$end)" \
-            --dtype bfloat16 --threads 2 --no-progress --out runs/quality/qwen2.5-coder-1.5b-heldout2 --methods $method
+            --dtype bfloat16 --threads 2 --no-progress --reuse-unrecorded --out runs/quality/qwen2.5-coder-1.5b-heldout2 \
+            --methods $method
           keep_answers runs/quality/qwen2.5-coder-1.5b-heldout2
         done
       done
@@ -96,13 +112,15 @@ if wants heldout2; then
     # every finished cell in one results.json (nothing is computed again), which the report reads
     trikv bench quality --task math --model qwen2.5-coder-1.5b --budgets $budgets --samples 1 --math-batch 32 \
       --temperature 0 --max-new-tokens 1024 --problems "$heldout2" --dtype bfloat16 --threads 2 --no-progress \
-      --out runs/quality/qwen2.5-coder-1.5b-heldout2 --methods full,triattention,triattention-dedup,rkv,snapkv
+      --reuse-unrecorded --out runs/quality/qwen2.5-coder-1.5b-heldout2 --methods full,triattention,triattention-dedup,rkv,snapkv
     keep_answers runs/quality/qwen2.5-coder-1.5b-heldout2
   done
 fi
 field=full,triattention,triattention-shared-layers,triattention-window,triattention-recent,triattention-dedup,rkv,snapkv,snapkv-decode,h2o,streaming,tova,tam-shared
 traces=(--task fidelity --traces evaluation --horizons 128,512,1024 --recall-stride 8 --threads 2 --no-progress --methods $field --budgets 128)
 if wants fidelity; then
+  # a folder's cells are reused only where their fingerprint (trace text, statistics, code, threads) matches; the
+  # runs behind the page took 59 min (1.5B), 62 min (SmolLM2) and 108 min (Gemma-3) of compute at one thread
   trikv bench quality "${traces[@]}" --model qwen2.5-coder-1.5b --dtype bfloat16 --out runs/quality/qwen2.5-coder-1.5b-traces
   trikv bench quality "${traces[@]}" --model smollm2-135m --out runs/quality/smollm2-135m-traces
   trikv bench quality "${traces[@]}" --model gemma3-270m --out runs/quality/gemma3-270m-traces

@@ -193,19 +193,26 @@ def test_opposite_data_give_opposite_sentences():
 
     worse = summary_lines([("run", _record(+0.02))])
     better = summary_lines([("run", _record(-0.02))])
-    assert len(worse) == len(better) == 2  # the run's line, then the count against chance
-    assert "TriAttention leads `rkv` +0.0200" in worse[0] and "trails" not in worse[0]
-    assert "TriAttention trails `rkv` -0.0200" in better[0] and "leads" not in better[0]
+    # the headline, the run's verdicts, TriAttention's rank, then the count against chance
+    assert len(worse) == len(better) == 4
+    assert worse[0] == ("Headline, TriAttention against the 1 published baseline (`rkv`) on KL where compression acts: on "
+                        "tiny (B=128) it leads 1, ties 0 and trails 0, ranks 1st of 2 methods. In all it leads 1, ties 0 "
+                        "and trails 0 of these 1 comparisons.")
+    assert "leads 0, ties 0 and trails 1, ranks 2nd of 2 methods" in better[0]
+    assert "TriAttention leads `rkv` +0.0200" in worse[1] and "trails" not in worse[1]
+    assert "TriAttention trails `rkv` -0.0200" in better[1] and "leads" not in better[1]
+    assert "no method has lower KL" in worse[2] and "lower KL: `rkv` 0.0300" in better[2]
     tied = summary_lines([("run", _record(0.0))])
-    assert "TriAttention ties `rkv`" in tied[0]
+    assert "TriAttention ties `rkv`" in tied[1]
 
 
 def test_summary_counts_its_verdicts_and_draws_none_from_few_texts_or_an_invalid_trace_set():
     from trikv.benchmarks.quality.report import MIN_VERDICT_UNITS, summary_lines
 
     lines = summary_lines([("one", _record(+0.02)), ("two", _record(-0.02)), ("three", _record(0.0))])
-    assert lines[-1].startswith("In all: 3 comparisons, TriAttention leads 1, trails 1 and ties 1 at 95%")
-    assert "(0.2 of 3) would still show a lead or a trail by chance" in lines[-1]
+    assert lines[0].endswith("In all it leads 1, ties 1 and trails 1 of these 3 comparisons.")
+    assert lines[-1].startswith("Chance: were every published baseline equal to TriAttention, about 5% of the 3 headline "
+                                "comparisons (0.2) would still show a lead or a trail")
     few = _record(+0.02)
     few["results"]["fidelity"]["meta"]["texts"] = ["a", "b", "c"]
     assert summary_lines([("few", few)]) == [f"`few` (tiny), KL where compression acts: no verdict from 3 texts "
@@ -216,7 +223,7 @@ def test_summary_counts_its_verdicts_and_draws_none_from_few_texts_or_an_invalid
     (line,) = summary_lines([("loops", loops)])
     assert "left out of the summary, only 11 of its 16 traces pass the validity rule" in line
     loops["results"]["fidelity"]["meta"]["trace_validity"] = {f"t{i}": figures(i < 12) for i in range(16)}
-    assert "TriAttention leads `rkv`" in summary_lines([("loops", loops)])[0]
+    assert "TriAttention leads `rkv`" in summary_lines([("loops", loops)])[1]
 
 
 # ---- trace validity -----------------------------------------------------------------------------------------
@@ -347,14 +354,23 @@ def test_second_registration_is_read_by_its_rule_and_pooled_with_the_first():
     assert paired_reading([1.0] * 20 + [0.0] * 110, 0.03)[3] == "superior"
     assert paired_reading([1.0] * 3 + [-1.0] * 2 + [0.0] * 125, 0.03)[3] == "non-inferior"
     assert paired_reading([1.0] * 10 + [-1.0] * 12 + [0.0] * 108, 0.03)[3] == "inconclusive"
+    # a loss: the whole interval below -3 points reads "inferior" (the registered reading, without its addendum, could
+    # only call it inconclusive)
+    loss = [-1.0] * 20 + [0.0] * 110
+    difference, low, high, reading = paired_reading(loss, 0.03)
+    assert reading == "inferior" and high < -0.03 and difference == pytest.approx(-20 / 130)
+    assert paired_reading(loss, 0.03, inferior=False)[3] == "inconclusive"
+    assert second["reading_addendum"]["inferior"] == "upper bound < -margin"
 
     def record(run_problems, triattention, rkv):
         cells = {"triattention": dict(zip(run_problems, triattention)), "rkv": dict(zip(run_problems, rkv))}
         return {"results": {"math": {"math500": {m: {"128": {"by_problem": s}} for m, s in cells.items()}}}}
 
-    assert preregistration_lines(second, [])[-1].endswith("not run yet.")
+    empty = preregistration_lines(second, [])
+    assert "Primary, B=128: `triattention` - `rkv`: no outcome yet (not run: `triattention`, `rkv`)." in empty
+    assert any("inferior if the upper bound < -3 points" in line for line in empty)
     half = record(problems[:65], [1.0] * 65, [0.0] * 65)
-    assert "interim, no outcome yet (65 of 130" in preregistration_lines(second, [(second["run"], half)])[-2]
+    assert any("interim, no outcome yet (65 of 130" in line for line in preregistration_lines(second, [(second["run"], half)]))
     # 26 more problems solved by triattention only: +20 points, the interval far above 0
     win = record(problems, [1.0] * 26 + [0.0] * 104, [0.0] * 130)
     first = next(test for test in tests if test.get("id") == second["pooled_with"]["test"])
@@ -363,7 +379,7 @@ def test_second_registration_is_read_by_its_rule_and_pooled_with_the_first():
     primary = next(line for line in lines if line.startswith("Primary, B=128"))
     assert "+20.0 points" in primary and "**superior**" in primary, primary
     pooled = next(line for line in lines if line.strip().startswith("Pooled"))
-    assert "230 problems" in pooled and "-32.2 points" in pooled and "inconclusive" in pooled, pooled
+    assert "230 problems" in pooled and "-32.2 points" in pooled and "inferior" in pooled, pooled
     # the first test's answers absent: the pooled figure says it was not computed, and why
     lines = preregistration_lines(second, [(second["run"], win)], [first])
     pooled = next(line for line in lines if line.strip().startswith("Pooled"))
@@ -578,22 +594,34 @@ def test_page_lists_every_shipped_trace_set_with_its_headline_verdict(tmp_path, 
 
     monkeypatch.setattr(traces, "TRACES_DIR", tmp_path)
 
-    def row(name, split, valid, compression, repeat_share, attempts=2, rejected=0):
-        validity = {"tokens": 2048, "compression": compression, "longest_repeat": int(2048 * repeat_share),
+    def row(name, split, valid, compression, repeat_share, attempts=2, rejected=0, rule="masked", source="s", sampling=None):
+        validity = {"tokens": 2048, "compression": compression + 0.05, "longest_repeat": int(6000 * repeat_share),
                     "repeat_share": repeat_share, "attempts": attempts, "rejected": rejected, "valid": valid}
+        if rule:  # figures of the current rule; files judged under the earlier one lack them
+            validity |= {"masked_compression": compression, "template_share": repeat_share / 2, "rule": rule}
         return json.dumps({"name": name, "split": split, "prompt": "p", "text": "t", "tokens": 2048, "seeds": [0],
-                           "source": "s", "validity": validity})
+                           "source": source, "validity": validity} | ({"sampling": sampling} if sampling else {}))
 
-    # 3 of 4 valid (75%: enters), 2 of 3 valid (67%: does not), a design set (never in a headline)
+    # 3 of 4 valid (75%: enters), 2 of 3 valid (67%: does not), a design set (never in a headline), a set judged under
+    # the earlier rule (never in a headline until judged again)
+    sampled = {"temperature": 0.6, "top_p": 0.95, "top_k": 0}
     (tmp_path / "a-model.jsonl").write_text("\n".join(
-        [row(f"math500-{i}", "evaluation", i != 3, 0.2 if i != 3 else 0.05, 0.02 if i != 3 else 0.5, rejected=i)
-         for i in range(4)] + [row("math500-9", "design", False, 0.1, 0.3)]) + "\n")
+        [row(f"math500-{i}", "evaluation", i != 3, 0.2 if i != 3 else 0.05, 0.02 if i != 3 else 0.5, rejected=i,
+             sampling=sampled) for i in range(4)] + [row("math500-9", "design", False, 0.1, 0.3, sampling=sampled)]) + "\n")
     (tmp_path / "b-model.jsonl").write_text("\n".join(
-        row(f"math500-{i}", "evaluation", i < 2, 0.25, 0.04 if i < 2 else 0.2, attempts=1) for i in range(3)) + "\n")
+        row(f"math500-{i}", "evaluation", i < 2, 0.25, 0.04 if i < 2 else 0.2, attempts=1,
+            source="b-model with full attention, T 1.0, top-p 0.95, top-k 64, seeds [0]") for i in range(3)) + "\n")
+    (tmp_path / "c-model.jsonl").write_text("\n".join(
+        row(f"math500-{i}", "evaluation", True, 0.25, 0.04, rule=None) for i in range(4)) + "\n")
     lines = shipped_trace_validity().splitlines()
-    assert lines[2] == "| a-model | evaluation | 3/4 | 0.050-0.200 | 2.0-50.0% | 8 | 6 | yes |"
-    assert lines[3] == "| a-model | design | 0/1 | 0.100-0.100 | 30.0-30.0% | 2 | 0 | design only (never in a headline) |"
-    assert lines[4] == "| b-model | evaluation | 2/3 | 0.250-0.250 | 4.0-20.0% | 3 | 0 | **no** |"
+    assert lines[2] == ("| a-model | evaluation | 3/4 | 0.050-0.200 | 2.0%-50.0% | 1%-25% | math500-3 | 8 | 6 | "
+                        "T 0.6, top-p 0.95 | yes |")
+    assert lines[3] == ("| a-model | design | 0/1 | 0.100-0.100 | 30.0%-30.0% | 15%-15% | math500-9 | 2 | 0 | T 0.6, top-p 0.95 | "
+                        "design only (never in a headline) |")
+    assert lines[4] == ("| b-model | evaluation | 2/3 | 0.250-0.250 | 4.0%-20.0% | 2%-10% | math500-2 | 3 | 0 | "
+                        "T 1.0, top-p 0.95, top-k 64 | **no** |")
+    assert lines[5] == ("| c-model | evaluation | 4/4 (earlier rule) | n/a | 4.0%-4.0% | n/a | – | 8 | 0 | not recorded | "
+                        "**no** |")
     for path in tmp_path.glob("*.jsonl"):
         path.unlink()
     assert shipped_trace_validity() is None

@@ -550,7 +550,10 @@ def test_quick_preset_end_to_end_and_resume(tmp_path, tokenizer):
     assert "Diagnosis" in text and "vs `future-attention`" in text and "rank correlation of recall with -KL" in text
     # the headline fidelity counts the compressed positions, with intervals over the texts and paired differences
     assert "Fidelity where compression acts" in text and "each method minus triattention" in text
-    assert "## Summary: where TriAttention leads, trails and ties" in text
+    assert "## Summary: TriAttention against the published baselines" in text
+    # the run fed the shipped texts and recorded its fingerprint: the page shows it and lists nothing as pending
+    assert "- fingerprint: code sha256 `" in text and "the texts it fed are the ones that ship now" in text
+    assert "## Pending" not in text and "superseded" not in text
     assert "This page replaces" not in text
     replacing = write_report([out], tmp_path / "new.md", replaces="docs/results-old.md").read_text()
     assert "This page replaces [results-old.md](results-old.md), kept for reference" in replacing
@@ -947,7 +950,7 @@ def test_a_greedy_math_run_raises_its_token_cap_answering_again_only_the_answers
         path.write_text(json.dumps(unit | {"records": [{k: v for k, v in r.items() if k != "max_new_tokens"} for r in unit["records"]]}))
     answered.clear()
     raised = run(tmp_path / "raised", 8)
-    assert answered == [("full", ids[1:]), ("streaming", ids[1:])]
+    assert answered == [("full", ids[1:]), ("streaming", ids[1:])], [l for l in logged if "reused" in l]
     assert any("math token cap 4 -> 8: only the answers that reached 4 tokens are generated again" in line for line in logged)
     after = json.loads(cell_path.read_text())["records"]
     assert [r["id"] for r in after] == ids and after[0] == before[0] | {"max_new_tokens": 4}
@@ -1011,7 +1014,8 @@ def test_math_and_dtype_settings_are_checked_and_fingerprinted():
             config_from_preset("quick", **{key: value})
     # at their defaults the later settings leave the fingerprint of an older run unchanged; set, they change it
     base = QualityConfig()
-    later = ("math_temperature", "math_batch", "dtype", "math_problems", "traces", "trace_tokens", "min_decode_room")
+    later = ("math_temperature", "math_batch", "dtype", "math_problems", "traces", "trace_tokens", "min_decode_room",
+             "prefill_prompt_tokens", "prefill_continuation_tokens", "prefill_chunk")
     record = {k: v for k, v in dataclasses.asdict(base).items() if k not in later}
     older = hashlib.sha256(json.dumps({**record, "text_file_sha256": []}, sort_keys=True).encode()).hexdigest()[:16]
     assert base.fingerprint() == older
@@ -1027,7 +1031,8 @@ def test_dfs_prompt_is_checked_and_fingerprinted_only_where_dfs_runs():
     with pytest.raises(ValueError, match="dfs_prompt must be chat or plain, got 'json'"):
         config_from_preset("quick", dfs_prompt="json")
     later = ("math_temperature", "math_batch", "dtype", "math_problems", "traces", "trace_tokens",
-             "min_decode_room")  # left out at their defaults
+             "min_decode_room", "prefill_prompt_tokens", "prefill_continuation_tokens",
+             "prefill_chunk")  # left out at their defaults
 
     def older(config):  # the fingerprint of the same run before the prompt choice existed
         record = {k: v for k, v in dataclasses.asdict(config).items() if k not in (*later, "dfs_prompt")}

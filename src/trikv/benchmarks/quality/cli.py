@@ -34,6 +34,9 @@ def add_quality_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--out", default="bench-quality", help="result folder (resumes a run with the same settings; other --methods or --budgets extend it, reusing its finished cells)")
     parser.add_argument("--fresh", action="store_true", help="recompute every unit instead of resuming")
+    parser.add_argument("--reuse-unrecorded", action="store_true",
+                        help="also reuse finished cells written before cells recorded a fingerprint (the results mark "
+                             "them); cells whose fingerprint differs from this run's are never reused")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default: 1 when the machine is busy, else torch's default)")
     parser.add_argument("--device", default="cpu")
@@ -125,7 +128,8 @@ def quality_main(args) -> int:
 
         model, tokenizer = load_model(config.model, device=args.device, dtype=getattr(torch, config.dtype))
     started = time.perf_counter()
-    record = run_quality(config, args.out, model=model, tokenizer=tokenizer, fresh=args.fresh, progress=not args.no_progress)
+    record = run_quality(config, args.out, model=model, tokenizer=tokenizer, fresh=args.fresh, progress=not args.no_progress,
+                         reuse_unrecorded=args.reuse_unrecorded)
     from .report import text_tables
 
     print(text_tables(record))

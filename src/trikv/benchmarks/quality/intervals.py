@@ -105,7 +105,7 @@ def recall_resamples(rows: dict, weights: np.ndarray, labels: list[str]) -> dict
     b = kept.shape[0]
     mass = weights @ np.asarray(rows["mass"], dtype=np.float64).reshape(b, -1)  # [R, L*Hq]
     per_head = (weights @ kept.reshape(b, -1)) / np.maximum(mass, 1e-30)  # [R, L*Hq]
-    out = {"recall": per_head.mean(-1)}
+    out = {"recall": per_head.mean(-1), "by_layer": per_head.reshape(len(weights), *kept.shape[1:]).mean(-1)}  # [R, L]
     h_kept = np.asarray(rows["h_kept"], dtype=np.float64)
     h_mass = np.asarray(rows["h_mass"], dtype=np.float64)
     for i, label in enumerate(labels):
@@ -156,7 +156,8 @@ def add_recall_intervals(table: dict, rows_by_cell: dict, horizons, seed: int = 
                           "by_horizon": {label: percentile_interval(values[label]) for label in labels
                                          if label in cell.get("by_horizon", {})},
                           "by_kind": {kind: percentile_interval(values[f"kind:{kind}"]) for kind in cell.get("by_kind", {})
-                                      if f"kind:{kind}" in values}}
+                                      if f"kind:{kind}" in values},
+                          "by_layer": [percentile_interval(layer) for layer in values["by_layer"].T]}
     for (method, budget), values in samples.items():
         reference = samples.get((REFERENCE_METHOD, budget))
         cell, reference_cell = table[method][budget], table.get(REFERENCE_METHOD, {}).get(budget)
@@ -169,6 +170,11 @@ def add_recall_intervals(table: dict, rows_by_cell: dict, horizons, seed: int = 
                 comparison["by_horizon"][label] = paired(cell["by_horizon"][label]["recall"],
                                                          reference_cell["by_horizon"][label]["recall"],
                                                          values[label], reference[label])
+        if cell.get("recall_per_layer") and reference_cell.get("recall_per_layer"):
+            # per layer (mean over its query heads), paired over the same resampled texts
+            comparison["by_layer"] = [paired(mine, theirs, values["by_layer"][:, layer], reference["by_layer"][:, layer])
+                                      for layer, (mine, theirs) in enumerate(zip(cell["recall_per_layer"],
+                                                                                  reference_cell["recall_per_layer"]))]
         cell["vs_triattention"] = comparison
 
 

@@ -256,19 +256,35 @@ def _composition_sections(record: dict, markdown: bool) -> list[tuple[str, str]]
 
 
 def _validity_sections(record: dict, markdown: bool) -> list[tuple[str, str]]:
-    from .validity import RULE_TEXT
+    """The validity figures of the traces the run fed, as the run recorded them, and each trace's verdict under the
+    current rule where the shipped file holds it (a run judged under the earlier rule says so)."""
+    from .traces import load_traces
+    from .validity import judged_by_this_rule
 
     meta = record["results"].get("fidelity", {}).get("meta", {})
     validity = meta.get("trace_validity")
     if not validity:
         return []
-    rows = [[name, figures["tokens"], figures["attempts"], figures["rejected"], _fmt(figures["compression"]),
-             f"{100 * figures['repeat_share']:.1f}%", "yes" if figures["valid"] else "**no**",
-             "yes" if name in meta["texts"] else "no"]
-            for name, figures in validity.items() if figures]
-    return [(f"Reasoning traces: validity ({RULE_TEXT})",
-             render(["trace", "tokens", "answers glued", "rejected as loops", "zlib ratio", "longest repeat", "valid", "fed"],
-                    rows, markdown))]
+    try:
+        shipped = {trace.name: trace.validity for trace in load_traces(record["config"]["model"], record["config"]["traces"])}
+    except (FileNotFoundError, ValueError, KeyError):
+        shipped = {}
+    current = lambda name: ("yes" if shipped[name]["valid"] else "**no**") if judged_by_this_rule(shipped.get(name)) else "–"  # noqa: E731
+    earlier = any(figures and not judged_by_this_rule(figures) for figures in validity.values())
+    rows = []
+    for name, figures in validity.items():
+        if not figures:
+            continue
+        masked = figures.get("masked_compression")
+        rows.append([name, figures["tokens"], figures["attempts"], figures["rejected"], _fmt(figures["compression"]),
+                     _fmt(masked) if masked is not None else "–",
+                     f"{100 * figures['repeat_share']:.1f}%" + (" (tokens)" if not judged_by_this_rule(figures) else ""),
+                     "yes" if figures["valid"] else "**no**", current(name), "yes" if name in meta["texts"] else "no"])
+    title = ("Reasoning traces the run fed: validity as the run recorded it"
+             + (" (under the earlier rule: zlib ratio of the text as written >= 0.12, longest repeated token run <= 10%; "
+                "digits not masked)" if earlier else "") + ", and under the current rule (the shipped file's verdict)")
+    return [(title, render(["trace", "tokens", "answers glued", "rejected as loops", "zlib ratio", "masked zlib ratio",
+                            "longest repeat", "valid (as recorded)", "valid (current rule)", "fed"], rows, markdown))]
 
 
 # ---- sections --------------------------------------------------------------------------------------------
@@ -943,54 +959,185 @@ def trace_set_left_out(record: dict) -> str | None:
             "the model cannot write valid reasoning traces under the rule, so its figures are shown below but enter no verdict")
 
 
-def summary_lines(named_records: list[tuple[str, dict]]) -> list[str]:
-    """The page's opening summary, computed from the paired intervals of every run: per run, budget and figure,
-    the methods TriAttention leads (the whole 95% interval of the difference favours it), trails and ties. Runs on
+def method_role(method: str) -> str:
+    """What a method is on the page: "reference" (full attention), "triattention", "variant" (TriAttention's
+    ablations and trikv's own variants: `triattention-*`, `tri-am*`), "baseline ablation" (a registry entry whose rule
+    calls itself an ablation of another method) or "published" (a baseline as its paper defines it, run on the
+    shared cache, trigger and prompt protection)."""
+    from ...policies import REGISTRY
+
+    if method == "full":
+        return "reference"
+    if method == "triattention":
+        return "triattention"
+    if method.startswith(("triattention-", "tri-am")):
+        return "variant"
+    entry = REGISTRY.get(method)
+    if entry is not None and "ablation" in entry.note.split(":")[0].lower():
+        return "baseline ablation"
+    return "published"
+
+
+HEADLINE = ("fidelity", "KL where compression acts", lambda c: c.get("vs_triattention", {}).get("compressed", {}).get("kl"), False, 4, 1.0)
+SECONDARY = ("recall", "attention recall", lambda c: (c.get("vs_triattention") or {}).get("recall"), True, 3, 1.0)
+MATH = ("math", "pass@1", lambda c: (c.get("vs_triattention") or {}).get("pass@1"), True, 1, 100.0)
+
+
+def _ordinal(n: int) -> str:
+    return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
+
+
+def _verdicts(record: dict, table: dict, budget: str, get, higher: bool, digits: int, scale: float,
+              roles: tuple[str, ...]) -> dict[str, list[str]]:
+    """{"leads"|"trails"|"ties": ["`m` +d [low, high]"]} of TriAttention against the run's methods of `roles`."""
+    groups: dict[str, list[str]] = {"leads": [], "trails": [], "ties": []}
+    for method in _methods(record):
+        if method_role(method) not in roles:
+            continue
+        cell = _cell(table, method, budget)
+        comparison = get(cell) if cell else None
+        verdict = _verdict(comparison, higher)
+        if verdict:
+            groups[verdict].append(f"`{method}` {_difference(comparison, digits, scale)}")
+    return groups
+
+
+def _kl_ranking(record: dict, budget: str) -> list[tuple[str, float]]:
+    """(method, KL where compression acts) of every compressing method of the run at `budget`, lowest first."""
+    table = record["results"]["fidelity"]["methods"]
+    rows = [(m, _kl(_cell(table, m, budget))) for m in _methods(record) if m != "full" and _cell(table, m, budget)]
+    return sorted(rows, key=lambda row: row[1])
+
+
+def trace_sampling(record: dict) -> str | None:
+    """How the traces a run fed were sampled, read from the shipped trace file ('T 0.6, top-p 0.95', ...)."""
+    from .traces import load_traces, sampling_label
+
+    config = record.get("config", {})
+    if not config.get("traces"):
+        return None
+    try:
+        traces = load_traces(config["model"], config["traces"])
+    except (FileNotFoundError, ValueError):
+        return None
+    labels = sorted({sampling_label(trace.sampling_settings()) for trace in traces})
+    return " / ".join(labels)
+
+
+def summary_lines(named_records: list[tuple[str, dict]], provenance: dict | None = None) -> list[str]:
+    """The page's opening summary, computed from the paired intervals of every run. TriAttention *leads* a method
+    when the whole 95% interval of (method minus triattention) favours it, *trails* when it favours the method.
+
+    The first line is the headline: TriAttention against the published baselines on KL where compression acts,
+    per run, with its rank among every method of the run (`provenance` tags runs whose inputs are not the shipped
+    ones). Then each run's verdicts and who ranks above TriAttention; how each run's traces were sampled where they
+    differ; TriAttention's own variants and ablations, apart; the secondary metric (attention recall); math. Runs on
     a model's invalid trace set and comparisons over fewer than `MIN_VERDICT_UNITS` texts or problems give no
-    verdict; the last line counts the verdicts against what chance alone would give."""
-    lines = []
+    verdict; the last line sets the headline comparisons against what chance alone would give."""
+    provenance = provenance or {}
+    tag = lambda name: f" [{provenance[name].tag()}]" if name in provenance and provenance[name].status != "current" else ""  # noqa: E731
+    task, what, get, higher, digits, scale = HEADLINE
+    headline, details, variants, secondary, math_lines, notes = [], [], [], [], [], []
     counts = {"leads": 0, "trails": 0, "ties": 0}
-    figures = (("fidelity", "KL where compression acts", lambda c: c.get("vs_triattention", {}).get("compressed", {}).get("kl"), False, 4, 1.0),
-               ("recall", "attention recall", lambda c: (c.get("vs_triattention") or {}).get("recall"), True, 3, 1.0),
-               ("math", "pass@1", lambda c: (c.get("vs_triattention") or {}).get("pass@1"), True, 1, 100.0))
+    usable_counts = {"leads": 0, "trails": 0, "ties": 0}  # on runs whose inputs stand for what ships now
+    published: list[str] = []
     for name, record in named_records:
         results = record["results"]
         left_out = trace_set_left_out(record)
         if left_out:
-            lines.append(f"`{name}` ({record['model']['name']}): left out of the summary, {left_out}.")
+            notes.append(f"`{name}` ({record['model']['name']}): left out of the summary, {left_out}.")
             continue
-        for task, what, get, higher, digits, scale in figures:
-            if task not in results:
-                continue
-            tables = ([(None, results[task]["methods"])] if task != "math" else
-                      [(dataset, results["math"][dataset]) for dataset in results["math"]["meta"]["datasets"] if dataset in results["math"]])
-            for dataset, table in tables:
-                units = _units(record, task, dataset)
-                if units < MIN_VERDICT_UNITS:
-                    lines.append(f"`{name}` ({record['model']['name']}), {what}: no verdict from {units} "
-                                 f"{'problems' if task == 'math' else 'texts'} (at least {MIN_VERDICT_UNITS} needed).")
-                    continue
+        model = record["model"]["name"]
+        if task in results:
+            units = _units(record, task, None)
+            if units < MIN_VERDICT_UNITS:
+                notes.append(f"`{name}` ({model}), {what}: no verdict from {units} texts (at least {MIN_VERDICT_UNITS} needed).")
+            else:
+                table = results[task]["methods"]
                 for budget in _budgets(record):
-                    groups: dict[str, list[str]] = {"leads": [], "trails": [], "ties": []}
-                    for method in _methods(record):
-                        cell = _cell(table, method, budget)
-                        comparison = get(cell) if cell else None
-                        verdict = _verdict(comparison, higher)
-                        if verdict:
-                            groups[verdict].append(f"`{method}` {_difference(comparison, digits, scale)}")
-                            counts[verdict] += 1
+                    groups = _verdicts(record, table, budget, get, higher, digits, scale, ("published",))
                     if not any(groups.values()):
                         continue
-                    where = f"{dataset} " if dataset else ""
+                    published += [m for m in _methods(record) if method_role(m) == "published" and m not in published]
+                    for verdict in counts:
+                        counts[verdict] += len(groups[verdict])
+                        if name not in provenance or provenance[name].usable:
+                            usable_counts[verdict] += len(groups[verdict])
+                    ranking = _kl_ranking(record, budget)
+                    rank = next(i for i, (m, _) in enumerate(ranking, 1) if m == "triattention") if any(
+                        m == "triattention" for m, _ in ranking) else None
+                    where = f" ranks {_ordinal(rank)} of {len(ranking)} methods" if rank else ""
+                    headline.append(f"on {model} (B={budget}) it leads {len(groups['leads'])}, ties {len(groups['ties'])} and "
+                                    f"trails {len(groups['trails'])}{',' if where else ''}{where}{tag(name)}")
                     parts = [f"{verdict} {', '.join(items)}" for verdict, items in groups.items() if items]
-                    lines.append(f"`{name}` ({record['model']['name']}), B={budget}, {where}{what} (method minus "
-                                 f"triattention [95% interval]): TriAttention " + "; ".join(parts) + ".")
+                    details.append(f"`{name}` ({model}), B={budget}, {what}, published baselines (method minus "
+                                   "triattention [95% interval]): TriAttention " + "; ".join(parts) + ".")
+                    if rank:
+                        ahead = ranking[: rank - 1]
+                        behind = ranking[rank:]
+                        details.append(f"`{name}` ({model}), B={budget}: TriAttention ranks {_ordinal(rank)} of {len(ranking)} "
+                                       f"methods on {what} ({ranking[rank - 1][1]:.4f}); "
+                                       + (f"lower KL: {', '.join(f'`{m}` {v:.4f}' for m, v in ahead)}" if ahead else "no method has lower KL")
+                                       + (f"; higher: {', '.join(f'`{m}`' for m, _ in behind)}" if behind else "; no method has higher KL")
+                                       + f"; {sum(method_role(m) == 'published' for m, _ in ahead)} of the "
+                                       f"{sum(method_role(m) == 'published' for m, _ in ranking)} published baselines rank "
+                                       f"above it{tag(name)}.")
+                    own = _verdicts(record, table, budget, get, higher, digits, scale, ("variant", "baseline ablation"))
+                    if any(own.values()):
+                        parts = [f"{verdict} {', '.join(items)}" for verdict, items in own.items() if items]
+                        variants.append(f"`{name}` ({model}), B={budget}, {what}: TriAttention " + "; ".join(parts) + ".")
+        for task2, what2, get2, higher2, digits2, scale2 in (SECONDARY,):
+            if task2 not in results or _units(record, task2, None) < MIN_VERDICT_UNITS:
+                continue
+            for budget in _budgets(record):
+                groups = _verdicts(record, results[task2]["methods"], budget, get2, higher2, digits2, scale2,
+                                   ("published", "variant", "baseline ablation"))
+                if any(groups.values()):
+                    parts = [f"{verdict} {', '.join(items)}" for verdict, items in groups.items() if items]
+                    secondary.append(f"`{name}` ({model}), B={budget}, {what2} (method minus triattention [95% interval], "
+                                     "higher is better for the method): TriAttention " + "; ".join(parts) + f"{tag(name)}.")
+        if "math" in results:
+            _, what3, get3, higher3, digits3, scale3 = MATH
+            for dataset in results["math"]["meta"]["datasets"]:
+                if dataset not in results["math"]:
+                    continue
+                units = _units(record, "math", dataset)
+                if units < MIN_VERDICT_UNITS:
+                    notes.append(f"`{name}` ({model}), {what3}: no verdict from {units} problems (at least {MIN_VERDICT_UNITS} needed).")
+                    continue
+                for budget in _budgets(record):
+                    groups = _verdicts(record, results["math"][dataset], budget, get3, higher3, digits3, scale3,
+                                       ("published", "variant", "baseline ablation"))
+                    if any(groups.values()):
+                        parts = [f"{verdict} {', '.join(items)}" for verdict, items in groups.items() if items]
+                        math_lines.append(f"`{name}` ({model}), B={budget}, {dataset} {what3} (method minus triattention "
+                                          "[95% interval]): TriAttention " + "; ".join(parts) + f"{tag(name)}.")
+    lines = []
     total = sum(counts.values())
+    if headline:
+        lines.append(f"Headline, TriAttention against the {len(published)} published baseline{'' if len(published) == 1 else 's'} ("
+                     + ", ".join(f"`{m}`" for m in published) + f") on {what}: " + "; ".join(headline)
+                     + f". In all it leads {counts['leads']}, ties {counts['ties']} and trails {counts['trails']} of these "
+                     f"{total} comparisons"
+                     + (f"; on the runs whose inputs are the shipped ones alone, it leads {usable_counts['leads']}, ties "
+                        f"{usable_counts['ties']} and trails {usable_counts['trails']}" if usable_counts != counts else "")
+                     + ".")
+    lines += details
+    sampling = {}
+    for name, record in named_records:
+        label = trace_sampling(record)
+        if label:
+            sampling.setdefault(label, []).append(record["model"]["name"])
+    if len(sampling) > 1:
+        lines.append("The traces were not all sampled alike: " + "; ".join(
+            f"{', '.join(sorted(set(models)))} at {label}" for label, models in sampling.items()) + ".")
+    lines += [f"TriAttention's own variants and ablations (not baselines): {line}" for line in variants]
+    lines += [f"Secondary metric: {line}" for line in secondary]
+    lines += math_lines + notes
     if total:
-        lines.append(f"In all: {total} comparisons, TriAttention leads {counts['leads']}, trails {counts['trails']} and ties "
-                     f"{counts['ties']} at 95%. Were every method equal to TriAttention, about 5% of the comparisons "
-                     f"({0.05 * total:.1f} of {total}) would still show a lead or a trail by chance; the comparisons share "
-                     "texts and problems, so they are not independent.")
+        lines.append(f"Chance: were every published baseline equal to TriAttention, about 5% of the {total} headline "
+                     f"comparisons ({0.05 * total:.1f}) would still show a lead or a trail; the comparisons share texts, so "
+                     "they are not independent.")
     return lines
 
 
@@ -1006,8 +1153,13 @@ def scope_lines(named_records: list[tuple[str, dict]]) -> list[str]:
                      if record["model"]["name"] == name and record["model"].get("parameters")), None)
         described.append(f"`{name}`" + (f" ({size / 1e6:.0f}M parameters)" if size else "")
                          + (f": {entry.description.split(' (')[0]}" if entry else ""))
+    from .provenance import one_invocation
+
     devices = sorted({record["environment"]["device"] for _, record in named_records})
-    threads = sorted({record["environment"]["threads"] for _, record in named_records})
+    # the threads that computed the cells: the fingerprint's, or results.json's where one invocation computed them all
+    threads = sorted({(record.get("fingerprint") or {}).get("threads") or record["environment"]["threads"]
+                      for _, record in named_records if record.get("fingerprint") or one_invocation(record)})
+    unknown = [name for name, record in named_records if not record.get("fingerprint") and not one_invocation(record)]
     dtypes = sorted({record["model"].get("dtype", "torch.float32").removeprefix("torch.") for _, record in named_records})
     tasks = sorted({task for _, record in named_records for task in record["results"]})
     math_runs = [record for _, record in named_records if "math" in record["results"]]
@@ -1021,10 +1173,20 @@ def scope_lines(named_records: list[tuple[str, dict]]) -> list[str]:
     lines = [f"Models: {'; '.join(described)}. None is a reasoning-trained model (the paper measures DeepSeek-R1 "
              "distills and Qwen3 with thinking): their reasoning traces are instruct models' (a base model's) sampled "
              "answers to math problems, far shorter and less structured than a reasoning model's 30K-token thoughts.",
-             f"Hardware: {', '.join(devices)} only ({'/'.join(map(str, threads))} thread{'' if threads == [1] else 's'}); dtypes {', '.join(dtypes)}.",
+             f"Hardware: {', '.join(devices)} only ({'/'.join(map(str, threads))} thread{'' if threads == [1] else 's'}"
+             + (f"; not recorded for {', '.join(f'`{n}`' for n in unknown)}, whose cells earlier invocations computed"
+                if unknown else "") + f"); dtypes {', '.join(dtypes)}.",
              f"Tasks: {', '.join(tasks)}. Fidelity and attention recall are teacher-forced: a fixed text (each model's "
              f"own traces) is fed through every method's cache, so a method's mistakes do not compound as in free "
              f"generation{free}."]
+    sampling = {}
+    for _, record in named_records:
+        label = trace_sampling(record)
+        if label:
+            sampling.setdefault(label, set()).add(record["model"]["name"])
+    if sampling:
+        lines.append("Trace sampling (full attention, each model's own traces): " + "; ".join(
+            f"{', '.join(sorted(models))}: {label}" for label, models in sampling.items()) + ".")
     lines.append("Not run here: the paper's setting (a reasoning model, AIME 2024 + 2025, 8 samples per problem, up to "
                  "32K new tokens, B = 2,048), which needs a GPU: `bash scripts/bench_paper_setting.sh [MODEL]` runs it "
                  "(calibration text, statistics, the accuracy run and its page) as one resumable command.")
@@ -1037,11 +1199,14 @@ def scope_lines(named_records: list[tuple[str, dict]]) -> list[str]:
 
 def shipped_trace_validity(markdown: bool = True) -> str | None:
     """Validity of every trace set trikv ships (one row per model and split), computed from the files' own
-    `validity` figures, so a set a page runs no fidelity on still shows whether it could enter the headline."""
-    from .traces import SPLITS, TRACES_DIR, load_traces
-    from .validity import Validity, set_is_usable
+    `validity` figures, so a set a page runs no fidelity on still shows whether it could enter the headline: the
+    ranges of the rule's figures (masked zlib ratio, longest masked repeat), the line-template share reported beside
+    them, the traces that fail, and how the set was sampled."""
+    from .traces import SPLITS, TRACES_DIR, load_traces, sampling_label
+    from .validity import Validity, judged_by_this_rule, set_is_usable
 
     rows = []
+    span = lambda values, form: f"{form(min(values))}-{form(max(values))}" if values else "n/a"  # noqa: E731
     for path in sorted(TRACES_DIR.glob("*.jsonl")):
         for split in SPLITS:
             try:
@@ -1049,21 +1214,28 @@ def shipped_trace_validity(markdown: bool = True) -> str | None:
             except ValueError:  # the model ships no traces in this split
                 continue
             figures = [trace.validity for trace in traces if trace.validity]
+            sampling = " / ".join(sorted({sampling_label(trace.sampling_settings()) for trace in traces}))
             if not figures:
-                rows.append([path.stem, split, f"?/{len(traces)}", "n/a", "n/a", "n/a", "n/a", "no (written before the rule)"])
+                rows.append([path.stem, split, f"?/{len(traces)}", "n/a", "n/a", "n/a", "–", "n/a", "n/a", sampling,
+                             "no (written before the rule)"])
                 continue
             valid = sum(1 for f in figures if f["valid"])
             usable = len(figures) == len(traces) and set_is_usable([Validity(**f) for f in figures])
-            compression = [f["compression"] for f in figures]
+            judged = all(judged_by_this_rule(f) for f in figures)
+            masked = [f["masked_compression"] for f in figures if f.get("masked_compression") is not None]
+            templates = [100 * f["template_share"] for f in figures if f.get("template_share") is not None]
             repeat = [100 * f["repeat_share"] for f in figures]
-            rows.append([path.stem, split, f"{valid}/{len(traces)}", f"{min(compression):.3f}-{max(compression):.3f}",
-                         f"{min(repeat):.1f}-{max(repeat):.1f}%", sum(f["attempts"] for f in figures),
-                         sum(f["rejected"] for f in figures),
-                         ("yes" if usable else "**no**") if split == "evaluation" else "design only (never in a headline)"])
+            failing = [trace.name for trace in traces if not trace.valid]
+            rows.append([path.stem, split, f"{valid}/{len(traces)}" + ("" if judged else " (earlier rule)"),
+                         span(masked, lambda v: f"{v:.3f}"), span(repeat, lambda v: f"{v:.1f}%"),
+                         span(templates, lambda v: f"{v:.0f}%"), ", ".join(failing) or "–",
+                         sum(f["attempts"] for f in figures), sum(f["rejected"] for f in figures), sampling,
+                         ("yes" if usable and judged else "**no**") if split == "evaluation" else "design only (never in a headline)"])
     if not rows:
         return None
-    return render(["model", "split", "valid", "zlib ratio", "longest repeat", "answers glued", "rejected as loops",
-                   "enters the headline"], rows, markdown)
+    return render(["model", "split", "valid", "masked zlib ratio", "longest masked repeat",
+                   "repeated line templates (not in the rule)", "not valid", "answers glued", "rejected as loops",
+                   "sampling", "enters the headline"], rows, markdown)
 
 
 def dedup_history_lines(sweep_path: str | Path | None = None) -> list[str]:
@@ -1096,17 +1268,19 @@ def registered_problems(test: dict) -> list[str] | None:
     return [f"{test['dataset']}-{row}" for first, last in test["rows"] for row in range(first, last + 1)]
 
 
-def paired_reading(differences, margin: float) -> tuple[float, float, float, str]:
+def paired_reading(differences, margin: float, inferior: bool = True) -> tuple[float, float, float, str]:
     """(difference, low, high, reading) of per-problem paired differences (candidate - baseline, each in [-1, 1]):
     the mean with its paired 95% percentile bootstrap interval over problems (`intervals`: 2,000 resamples, seed 0),
-    read as superior (low > 0), non-inferior (low > -margin) or inconclusive."""
+    read as superior (low > 0), non-inferior (low > -margin), inferior (the whole interval below the margin:
+    high < -margin; `inferior=False` leaves it out, as the registered reading did) or inconclusive."""
     import numpy as np
 
     from .intervals import percentile_interval, resample_weights
 
     differences = np.asarray(differences, dtype=np.float64)
     low, high = percentile_interval(resample_weights(len(differences)) @ differences / len(differences))
-    reading = "superior" if low > 0 else "non-inferior" if low > -margin else "inconclusive"
+    reading = ("superior" if low > 0 else "non-inferior" if low > -margin else
+               "inferior" if inferior and high < -margin else "inconclusive")
     return float(differences.mean()), low, high, reading
 
 
@@ -1143,13 +1317,19 @@ def preregistration_lines(preregistration: dict, named_records: list[tuple[str, 
     test, records = preregistration, dict(named_records)
     problems = registered_problems(test)
     margin = float(test["reading"]["margin"])
+    addendum = test.get("reading_addendum") or {}
+    inferior = "inferior" in addendum or "inferior" in test["reading"]
     lines = [f"`{test['id']}`, registered {test['registered']} (commit before any run on its rows): {test['problems']} "
              f"problems, {test['dataset']} rows " + ", ".join(f"{a}-{b}" for a, b in test["rows"])
              + f" ({test['why_these_rows']}); {test['setting']}; methods {', '.join(f'`{m}`' for m in test['methods'])}.",
              f"Endpoint: {test['endpoint']}. Reading: superior if the lower bound > 0, non-inferior if it is > -{100 * margin:g} "
-             "points, otherwise inconclusive.",
-             f"Power, stated before the run (`{test['power']['command']}`): {test['power']['plain_statement']}",
-             f"Run: `{test['run']}`: `{test['command']}`"]
+             + (f"points, inferior if the upper bound < -{100 * margin:g} points, otherwise inconclusive." if inferior
+                else "points, otherwise inconclusive.")]
+    if addendum:
+        lines.append(f"Reading addendum, {addendum['added']}: {addendum['note']}")
+    lines += [f"Power, stated before the run (`{test['power']['command']}`): {test['power']['plain_statement']}",
+              f"Run: `{test['run']}`: `{test['command']}`"]
+    lines += registered_cell_lines(test, records.get(test["run"]))
     comparisons = [("primary", test["primary"])] + [("secondary", pair) for pair in test.get("secondary", [])]
     budgets = [("", str(test["budget"]))]
     if test.get("secondary_budget") is not None:
@@ -1163,21 +1343,21 @@ def preregistration_lines(preregistration: dict, named_records: list[tuple[str, 
             ours = _answers(records, test["run"], test["dataset"], candidate, budget)
             theirs = _answers(records, test["run"], test["dataset"], baseline, budget)
             if ours is None or theirs is None:
-                if not budget_label:
-                    lines.append(f"{label}: not run yet.")
+                missing = [m for m, answers in ((candidate, ours), (baseline, theirs)) if answers is None]
+                lines.append(f"{label}: no outcome yet (not run: {', '.join(f'`{m}`' for m in missing)}).")
                 continue
             shared = [q for q in problems if q in ours and q in theirs]
             if len(shared) < len(problems):
                 lines.append(f"{label}: interim, no outcome yet ({len(shared)} of {len(problems)} problems answered by both).")
                 continue
-            difference, low, high, reading = paired_reading([ours[q] - theirs[q] for q in shared], margin)
+            difference, low, high, reading = paired_reading([ours[q] - theirs[q] for q in shared], margin, inferior)
             better = sum(ours[q] > theirs[q] for q in shared)
             worse = sum(ours[q] < theirs[q] for q in shared)
             accuracy = lambda answers: sum(answers[q] for q in shared) / len(shared)
             lines.append(f"{label}: {accuracy(ours):.3f} vs {accuracy(theirs):.3f} on {len(shared)} problems, "
                          f"{100 * difference:+.1f} points [95% paired bootstrap {100 * low:+.1f}, {100 * high:+.1f}] "
                          f"(+{better} / -{worse} problems, sign test p {sign_test(better, worse):.2f}): **{reading}** "
-                         "by the registered reading.")
+                         + ("by the reading's addendum." if reading == "inferior" else "by the registered reading."))
             pooled_test = earlier.get((test.get("pooled_with") or {}).get("test"))
             if pooled_test is not None and str(pooled_test["budget"]) == budget:
                 old_ours = _answers(records, pooled_test["run"], pooled_test["dataset"], candidate, budget)
@@ -1185,13 +1365,71 @@ def preregistration_lines(preregistration: dict, named_records: list[tuple[str, 
                 if old_ours is not None and old_theirs is not None:
                     old = [q for q in old_ours if q in old_theirs]
                     pooled = [ours[q] - theirs[q] for q in shared] + [old_ours[q] - old_theirs[q] for q in old]
-                    difference, low, high, reading = paired_reading(pooled, margin)
+                    difference, low, high, reading = paired_reading(pooled, margin, inferior)
                     lines.append(f"  Pooled with `{pooled_test['id']}` ({len(pooled)} problems; not the registered outcome: "
                                  f"those rows were seen before this registration): {100 * difference:+.1f} points "
                                  f"[{100 * low:+.1f}, {100 * high:+.1f}], {reading}.")
                 else:
                     lines.append(f"  Pooled with `{pooled_test['id']}`: not computed: the per-problem answers of "
                                  f"`{candidate}` and `{baseline}` on its rows (run `{pooled_test['run']}`) are not on this page.")
+    return lines
+
+
+def registered_cell_lines(test: dict, record: dict | None) -> list[str]:
+    """Every cell the test registered (its methods at its budget and secondary budget): run (with the commit and
+    thread count that produced it, where recorded), interim, or not run with the reason and the compute it needs
+    at the pace of the run's finished cells."""
+    from .provenance import one_invocation
+
+    problems = registered_problems(test) or []
+    dataset = test["dataset"]
+    budgets = [str(test["budget"])] + ([str(test["secondary_budget"])] if test.get("secondary_budget") is not None else [])
+    table = (record or {}).get("results", {}).get("math", {}).get(dataset, {})
+    cells = (record or {}).get("cells") or {}
+    seconds = [value for key, value in ((record or {}).get("unit_seconds") or {}).items() if key.startswith(f"math-{dataset}/")]
+    per_cell = sum(seconds) / len(seconds) / 60 if seconds else None
+    lines = [f"Registered cells ({', '.join(f'`{m}`' for m in test['methods'])} at B = {' and '.join(budgets)}; full attention "
+             "does not depend on the budget, so it has one cell):"]
+    unrecorded, missing = [], []
+    for budget in budgets:
+        for method in test["methods"]:
+            if method == "full" and budget != budgets[0]:
+                continue
+            label = f"`{method}`" + ("" if method == "full" else f" B={budget}")
+            cell = _cell(table, method, budget)
+            answers = cell.get("by_problem") if cell else None
+            if answers and all(problem in answers for problem in problems):
+                fingerprint = (cells.get(f"math-{dataset}/{method}/{None if method == 'full' else budget}") or {}).get("fingerprint")
+                if fingerprint:
+                    commit = (fingerprint.get("commit") or {}).get("commit", "no git commit")[:10]
+                    lines.append(f"  {label}: run, {len(problems)} problems (commit `{commit}`, {fingerprint['threads']} "
+                                 f"thread(s), {fingerprint['dtype']})")
+                else:
+                    unrecorded.append(label)
+                    lines.append(f"  {label}: run, {len(problems)} problems (commit and thread count not recorded)")
+                continue
+            if answers:
+                lines.append(f"  {label}: interim, {sum(problem in answers for problem in problems)} of {len(problems)} "
+                             "problems answered")
+                continue
+            missing.append(label)
+            pace = (f"about {per_cell:.0f} min at the pace of this run's finished cells ({60 * per_cell / len(problems):.0f} s "
+                    "per problem)") if per_cell and problems else "no finished cell to time it by"
+            if budget == budgets[0]:
+                lines.append(f"  {label}: not run (compute: {pace})")
+            else:
+                lines.append(f"  {label}: not run ({test.get('secondary_budget_note', 'secondary budget')}; {pace})")
+    if missing and per_cell:
+        lines.append(f"  Missing: {len(missing)} cells, about {len(missing) * per_cell / 60:.1f} h of compute at that pace.")
+    if unrecorded and record is not None and "environment" in record:
+        note = (f"the {record['environment']['threads']} thread(s) results.json names is the thread count of the "
+                f"invocation that collected the cells, which computed {record['wall_seconds'] / 60:.1f} of their "
+                f"{record.get('compute_seconds', 0) / 60:.1f} min" if not one_invocation(record) else
+                f"results.json names {record['environment']['threads']} thread(s) for the invocation that computed them")
+        lines.append(f"  The commit and thread count that produced {', '.join(unrecorded)} were not recorded (the cells "
+                     f"were written before cells recorded a fingerprint); {note}.")
+    elif unrecorded:
+        lines.append(f"  The commit and thread count that produced {', '.join(unrecorded)} were not recorded.")
     return lines
 
 
@@ -1241,6 +1479,34 @@ def _first_registration_lines(preregistration: dict, named_records: list[tuple[s
     return lines
 
 
+def _concentration_section(named: list[tuple[str, dict]], provenance: dict, assets: Path) -> list[str]:
+    """The figure of TriAttention's per-layer lead against query concentration, and what its data support."""
+    from . import concentration
+    from .traces import TRACES_DIR
+
+    usable = {name: state.usable for name, state in provenance.items()}
+    shipped_models = sorted(path.stem for path in TRACES_DIR.glob("*.jsonl"))
+    found = concentration.concentration_lines(named, usable, shipped_models)
+    path = concentration.plot(named, usable, assets / "concentration-lead.png")
+    if not found:
+        return []
+    lines = ["## Query concentration against TriAttention's lead", "",
+             "How low can query concentration go before TriAttention loses to attention-based methods? Each point is one",
+             "layer of one model: TriAttention's recall minus R-KV's (left) or SnapKV's (right) at that layer, against the",
+             "layer's query concentration (mean R of the shipped statistics over its heads and frequency bands).", ""]
+    if path is not None:
+        lines += [f"![concentration against lead]({assets.name}/{path.name})", ""]
+    lines += [f"- {line}" for line in found]
+    if concentration.threshold_visible(found):
+        lines.append("- A threshold is visible above: a variant that scores the heads below it by another rule would test it.")
+    else:
+        lines.append("- With no threshold visible, no variant that scores low-concentration heads by another rule was added: "
+                     "these layers give it no concentration to switch at. Telling would need less concentrated layers than "
+                     "these models have, and per-layer intervals over texts (runs made from now on keep them).")
+    lines.append("")
+    return lines
+
+
 def write_report(folders: list[str | Path], out: str | Path, title: str = "trikv quality benchmarks",
                  preregistration: str | Path | None = None, earlier: str | None = None,
                  replaces: str | None = None) -> Path:
@@ -1250,7 +1516,10 @@ def write_report(folders: list[str | Path], out: str | Path, title: str = "trikv
     out = Path(out)
     assets = out.parent / f"{out.stem}_files"
     assets.mkdir(parents=True, exist_ok=True)
+    from .provenance import rerun_line, run_provenance
+
     named = [(Path(folder).resolve().name, load_run(folder)) for folder in folders]
+    provenance = {name: run_provenance(record) for name, record in named}
     lines = [f"# {title}", "",
              "Generated by `trikv bench report` from the `results.json` of each run folder; do not edit by hand.",
              "Teacher-forced tasks feed the known text through each method's cache in schedule-sized chunks",
@@ -1268,24 +1537,42 @@ def write_report(folders: list[str | Path], out: str | Path, title: str = "trikv
     if earlier:
         lines += [f"Runs made before these rules (a method's recent window counted against the prompt; no intervals) "
                   f"are in [{Path(earlier).name}]({Path(earlier).name}).", ""]
+    summary = summary_lines(named, provenance)
+    if summary:
+        lines += ["## Summary: TriAttention against the published baselines", "",
+                  "Computed from the paired intervals in the tables below: TriAttention *leads* a method when the whole",
+                  "95% interval of (method minus triattention) favours TriAttention, *trails* when it favours the method,",
+                  "*ties* otherwise. The headline metric is KL(full || method) where compression acts; the published",
+                  "baselines are the methods run as their papers define them; TriAttention's own variants and ablations",
+                  "and the secondary metric (attention recall) follow, apart.", ""] + [f"- {line}" for line in summary] + [""]
+    pending = [line for line in (rerun_line(name, record, provenance[name]) for name, record in named) if line]
+    if preregistration:
+        for test in registered_tests(json.loads(Path(preregistration).read_text())):
+            if "reading" not in test:
+                continue
+            cells = registered_cell_lines(test, dict(named).get(test["run"]))
+            missing = [line.strip() for line in cells if "not run" in line and line.startswith("  ")]
+            total = next((line.strip() for line in cells if line.strip().startswith("Missing:")), None)
+            if missing:
+                pending.append(f"`{test['id']}` (run `{test['run']}`): " + "; ".join(missing) + (f". {total}" if total else "")
+                               + f" Command: `{test['command']}`.")
+    if pending:
+        lines += ["## Pending: runs and cells this page still lacks", "",
+                  "Runs whose fingerprint is not that of the shipped inputs, and registered cells not run, with the compute",
+                  "they took or need (measured on this machine: 2 CPU cores).", ""] + [f"- {line}" for line in pending] + [""]
     validity_table = shipped_trace_validity()
     if validity_table:
         from .validity import RULE_TEXT
 
         lines += ["## Reasoning traces: validity of every shipped set", "",
-                  f"Rule, fixed before the sets were written again: {RULE_TEXT}. Computed from the shipped trace files "
-                  "(`src/trikv/benchmarks/quality/data/traces/`); each run below repeats the figures of the traces it fed.",
-                  "", validity_table, ""]
+                  f"Rule: {RULE_TEXT}. The thresholds are derived from the human texts alone "
+                  "(`validity.derive_thresholds`, pinned by a test); the rule was committed before any trace set was "
+                  "judged under it. Computed from the shipped trace files (`src/trikv/benchmarks/quality/data/traces/`); "
+                  "each run below repeats the figures of the traces it fed.", "", validity_table, ""]
     if replaces:
         lines += [f"This page replaces [{Path(replaces).name}]({Path(replaces).name}), kept for reference: its run folders "
                   "are gone, so it cannot be regenerated, and its figures made before the rules above (trace validity, "
                   "the withdrawals listed in the scope) stand only where those rules leave them valid.", ""]
-    summary = summary_lines(named)
-    if summary:
-        lines += ["## Summary: where TriAttention leads, trails and ties", "",
-                  "Computed from the paired intervals in the tables below: TriAttention *leads* a method when the whole",
-                  "95% interval of (method minus triattention) favours TriAttention, *trails* when it favours the method,",
-                  "*ties* otherwise.", ""] + [f"- {line}" for line in summary] + [""]
     if any("triattention-dedup" in record["config"]["methods"] for _, record in named):
         lines += ["## How `triattention-dedup` came about", ""] + [f"- {line}" for line in dedup_history_lines()] + [""]
     if preregistration:
@@ -1294,15 +1581,26 @@ def write_report(folders: list[str | Path], out: str | Path, title: str = "trikv
             heading = f"## Pre-registered held-out test `{test.get('id', index + 1)}`" if len(tests) > 1 else "## Pre-registered held-out test"
             lines += [heading, ""] + [f"- {line}" if not line.startswith("  ") else f"  -{line[1:]}"
                                       for line in preregistration_lines(test, named, tests[:index], replaces)] + [""]
+    lines += _concentration_section(named, provenance, assets)
     for index, (folder, (name, record)) in enumerate(zip(folders, named)):
         config = record["config"]
-        lines += [f"## {record['model']['name']}: run `{name}`", ""]
+        state = provenance[name]
+        heading = {"current": "", "unrecorded": " (fingerprint not recorded)", "superseded": " (superseded: rerun pending)"}
+        lines += [f"## {record['model']['name']}: run `{name}`{heading[state.status]}", ""]
+        if state.reasons:
+            lines += [f"**Not the shipped inputs**: {'; '.join(state.reasons)}. Its tables are kept for reference and "
+                      "stand for the inputs it fed, not for what ships now.", ""]
+        lines += [f"- {line}" for line in state.lines]
+        sampling = trace_sampling(record)
+        if sampling:
+            lines.append(f"- traces sampled (full attention) at {sampling}")
         lines += [
             f"- model: `{record['model']['name']}` ({record['model'].get('dtype', 'torch.float32').removeprefix('torch.')}, "
             f"parameters sha256 `{record['model']['sha256_parameters'][:16]}`), "
             f"stats: {('`' + Path(record['stats']['path']).name + '` sha256 `' + record['stats']['sha256'][:16] + '`') if record.get('stats') and record['stats'].get('sha256') else 'n/a'}",
             f"- trikv {record['trikv_version']}, torch {record['environment']['torch']}, transformers "
-            f"{record['environment']['transformers']}, {record['environment']['threads']} thread(s) on {record['environment']['device']}",
+            f"{record['environment']['transformers']}, {record['environment']['threads']} thread(s) on {record['environment']['device']}"
+            + ("" if record.get("fingerprint") else " (results.json: the invocation that wrote it)"),
             f"- methods: {', '.join(config['methods'])}; budgets: {', '.join(map(str, config['budgets']))}; "
             f"divide_length {config['divide_length']}; seed {config['seed']}; {_time_line(record)}",
         ]

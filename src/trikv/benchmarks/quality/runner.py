@@ -1,8 +1,12 @@
 """`trikv bench quality`: the grid of tasks x methods x budgets, resumable, reproducible.
 
-Every (task, method, budget) cell is a unit of work written to `OUT/units/` as soon as it is done; a rerun
-with the same arguments reuses the units it finds (an interrupted run resumes), a rerun that only adds or
-drops methods or budgets reuses the cells both grids share, and `--fresh` recomputes them. The
+Every (task, method, budget) cell is a unit of work written to `OUT/units/` as soon as it is done, with the
+fingerprint of what produced it: the task's inputs (the texts' content and token ids, the problems), the model's
+parameters, tokenizer and statistics, the code (`code_files`: by content, with the git commit it came from), dtype,
+threads, device and library versions. A rerun with the same arguments reuses the units whose fingerprint matches
+(an interrupted run resumes), a rerun that only adds or drops methods or budgets reuses the matching cells both
+grids share, a cell whose fingerprint differs is computed again (the log says which cells were reused and why
+the others were not), and `--fresh` recomputes them all. The
 full-attention reference of the teacher-forced texts is computed once per run and shared by all methods;
 the `full` method's fidelity/recall figures are the reference itself. At the end the run writes
 `results.json` (every figure, the configuration, versions, model / stats fingerprints, seeds), `results.csv`,
@@ -243,25 +247,176 @@ def file_sha256(path: str | Path) -> str:
     return digest.hexdigest()
 
 
+# ---- what produced a cell ----------------------------------------------------------------------------
+PACKAGE_DIR = Path(__file__).resolve().parents[2]
+# package sources a quality run never imports (other engines and benchmarks, the analysis tools, the demo), that only
+# dispatch commands (the command lines) or measure memory (the speed benchmark's machine module), or that only format
+# the figures after they are computed (the report, its provenance and concentration sections); every other .py file
+# of the package is part of a cell's code
+CODE_EXCLUDED = ("vllm/", "mlx/", "analysis/", "benchmarks/agent/", "benchmarks/mlx/", "benchmarks/serving",
+                 "benchmarks/speed/", "benchmarks/soak.py", "benchmarks/gpu_check.py", "benchmarks/compaction_timing.py",
+                 "benchmarks/speed_report.py", "benchmarks/report_pages.py", "benchmarks/quality/report.py",
+                 "benchmarks/quality/provenance.py", "benchmarks/quality/concentration.py", "demo.py", "cli.py",
+                 "__main__.py")
+# the fingerprint fields a finished cell must share with the run to be reused (`commit` only says where the code
+# came from: the code itself is compared by its content)
+MATCHED = ("inputs_sha256", "texts_sha256", "model_sha256", "tokenizer_sha256", "stats_sha256", "code_sha256",
+           "dtype", "threads", "device", "torch", "transformers")
+
+
+def code_files() -> list[Path]:
+    """The package's Python sources a quality cell's figures can depend on (all but `CODE_EXCLUDED`), sorted."""
+    files = []
+    for path in sorted(PACKAGE_DIR.rglob("*.py")):
+        relative = path.relative_to(PACKAGE_DIR).as_posix()
+        if not relative.startswith(CODE_EXCLUDED):
+            files.append(path)
+    return files
+
+
+def code_sha256(files: list[Path] | None = None) -> str:
+    """sha256 over the relative path and content of every file of `code_files()`."""
+    digest = hashlib.sha256()
+    for path in files if files is not None else code_files():
+        digest.update(path.relative_to(PACKAGE_DIR).as_posix().encode() + b"\0")
+        digest.update(path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def git_commit(files: list[Path] | None = None) -> dict | None:
+    """{"commit": HEAD, "modified": the files of `code_files()` that differ from it} where the package is a git
+    checkout, else None: which commit the code came from, and whether it was that commit's code."""
+    import subprocess
+
+    files = files if files is not None else code_files()
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=PACKAGE_DIR, capture_output=True, text=True, timeout=20)
+        if head.returncode != 0:
+            return None
+        status = subprocess.run(["git", "status", "--porcelain", "--", *[str(path) for path in files]], cwd=PACKAGE_DIR,
+                                capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    modified = sorted(line[3:].strip() for line in status.stdout.splitlines() if line.strip())
+    return {"commit": head.stdout.strip(), "modified": modified}
+
+
+def digest(value) -> str:
+    """sha256 of a JSON-able value (dataclasses as their fields), order of dict keys ignored."""
+    def default(item):
+        if dataclasses.is_dataclass(item):
+            return dataclasses.asdict(item)
+        if isinstance(item, torch.Tensor):
+            return item.tolist()
+        return repr(item)
+
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=default).encode()).hexdigest()
+
+
+def tokenizer_sha256(tokenizer) -> str | None:
+    """sha256 of what turns the tasks' text into ids: the vocabulary, the special tokens and the chat template."""
+    if tokenizer is None or not hasattr(tokenizer, "get_vocab"):
+        return None
+    return digest({"vocab": tokenizer.get_vocab(), "special": getattr(tokenizer, "all_special_tokens", None),
+                   "bos": getattr(tokenizer, "bos_token_id", None), "template": getattr(tokenizer, "chat_template", None)})
+
+
+def fingerprint_differences(recorded: dict | None, current: dict) -> list[str]:
+    """The `MATCHED` fields in which a cell's recorded fingerprint differs from the run's (all of them when the
+    cell recorded none)."""
+    if not recorded:
+        return ["not recorded"]
+    return [name for name in MATCHED if recorded.get(name) != current.get(name)]
+
+
+def task_family(task: str) -> str:
+    """The inputs a unit's task reads: fidelity and recall the same texts, both prefill modes the same windows."""
+    if task in ("fidelity", "recall"):
+        return "fidelity"
+    return task.split("-")[0] if task.startswith(("prefill-", "dfs-")) else task
+
+
 # ---- units -------------------------------------------------------------------------------------------
 class UnitStore:
-    """One JSON file per finished (task, method, budget) cell, plus tensors the recall pass needs."""
+    """One JSON file per finished (task, method, budget) cell, plus tensors the recall pass needs.
 
-    def __init__(self, out: Path, fresh: bool):
+    Each cell is written with the fingerprint of what produced it (`expect`: the run's model, tokenizer, statistics,
+    code, dtype, threads, versions and the task's inputs); a finished cell is reused only when its fingerprint
+    matches the run's in every `MATCHED` field, and otherwise computed again. A cell that recorded no fingerprint
+    (written before cells did) is reused only with `reuse_unrecorded`, and then marked so. What was reused and what
+    was not is logged once per cell and kept in `status`."""
+
+    def __init__(self, out: Path, fresh: bool, reuse_unrecorded: bool = False, log=print):
         self.dir = out / "units"
         self.dir.mkdir(parents=True, exist_ok=True)
         if fresh:
             for path in self.dir.iterdir():
                 path.unlink()
+        self.reuse_unrecorded, self.log = reuse_unrecorded, log
+        self.identity: dict | None = None  # the run's fingerprint fields shared by every task
+        self.inputs: dict[str, dict] = {}  # task family -> {"inputs_sha256", "texts_sha256"}
+        self.status: dict[str, dict] = {}  # "task/method/budget" -> {"status", "fingerprint", "differs"}
+
+    def expect(self, family: str, inputs_sha256: str, texts_sha256: str | None = None) -> None:
+        """The inputs of a task family's cells in this run (set before its cells are looked up)."""
+        self.inputs[family] = {"inputs_sha256": inputs_sha256, "texts_sha256": texts_sha256}
+
+    def fingerprint(self, task: str) -> dict | None:
+        if self.identity is None:
+            return None
+        return {**self.identity, **self.inputs.get(task_family(task), {"inputs_sha256": None, "texts_sha256": None})}
 
     def _path(self, task: str, method: str, budget, suffix: str = "json") -> Path:
         return self.dir / f"{task}__{method}__{budget if budget is not None else 'none'}.{suffix}"
 
+    @staticmethod
+    def key(task, method, budget) -> str:
+        return f"{task}/{method}/{budget}"
+
     def get(self, task, method, budget):
+        """The finished cell, or None when there is none or it was produced by something else than this run."""
         path = self._path(task, method, budget)
-        return json.loads(path.read_text()) if path.exists() else None
+        if not path.exists():
+            return None
+        unit = json.loads(path.read_text())
+        recorded = unit.pop("fingerprint", None)
+        current = self.fingerprint(task)
+        key = self.key(task, method, budget)
+        if current is None:  # a store used without a run (tools that only read units)
+            return unit
+        if recorded is None:
+            if self.reuse_unrecorded:
+                if key not in self.status:
+                    self.log(f"  reused {key}: written before cells recorded a fingerprint (--reuse-unrecorded)")
+                    self.status[key] = {"status": "reused, fingerprint not recorded", "fingerprint": None}
+                return unit
+            if key not in self.status:
+                self.log(f"  not reused {key}: it recorded no fingerprint (--reuse-unrecorded reuses such cells)")
+                self.status[key] = {"status": "not reused", "differs": ["not recorded"]}
+            return None
+        differs = fingerprint_differences(recorded, current)
+        if differs:
+            if key not in self.status:
+                self.log(f"  not reused {key}: its fingerprint differs in {', '.join(differs)}")
+                self.status[key] = {"status": "not reused", "differs": differs}
+            return None
+        if key not in self.status:  # (a cell computed by this run is looked up again when the tables are built)
+            self.log(f"  reused {key}: fingerprint matches (code {recorded['code_sha256'][:12]}, "
+                     f"{recorded['threads']} thread(s), {recorded['dtype']})")
+            self.status[key] = {"status": "reused", "fingerprint": recorded}
+        return unit
 
     def put(self, task, method, budget, value) -> None:
+        fingerprint = self.fingerprint(task)
+        key = self.key(task, method, budget)
+        if fingerprint is not None:
+            earlier = self.status.get(key, {})
+            if earlier.get("status") == "reused, fingerprint not recorded" or (earlier.get("fingerprint") or {}).get(
+                    "includes_unrecorded"):
+                # a cell continued from one that recorded no fingerprint keeps saying so
+                fingerprint = {**fingerprint, "includes_unrecorded": True}
+            value = {**value, "fingerprint": fingerprint}
+            self.status[key] = {"status": "computed", "fingerprint": fingerprint}
         self.write(self._path(task, method, budget), value)
 
     def write(self, path: Path, value) -> None:
@@ -299,14 +454,17 @@ def budget_key(method: str, budget: int | None) -> str:
 # ---- the run -------------------------------------------------------------------------------------------
 class QualityRun:
     def __init__(self, config: QualityConfig, out: str | Path, model=None, tokenizer=None, stats=None,
-                 fresh: bool = False, progress: bool = True, log=print):
+                 fresh: bool = False, progress: bool = True, log=print, reuse_unrecorded: bool = False):
         self.config, self.out = config, Path(out)
         self.out.mkdir(parents=True, exist_ok=True)
         self.model, self.tokenizer, self.stats = model, tokenizer, stats
         self.progress, self.log = progress, log
         self.earlier_cap = config.math_max_new_tokens  # the token cap of math answers that do not name theirs
         self._check_config(fresh)
-        self.units = UnitStore(self.out, fresh)
+        self.units = UnitStore(self.out, fresh, reuse_unrecorded=reuse_unrecorded, log=log)
+        self._model_sha256: str | None = None
+        self.fed_texts_sha256: str | None = None  # the fidelity texts' content (`texts.texts_sha256`)
+        self.prefill_texts_sha256: str | None = None
         self._stamp_math_caps()
         self.stats_path = None
         self.unit_seconds: dict[str, float] = {}
@@ -443,11 +601,39 @@ class QualityRun:
 
         return tqdm(total=total, desc=desc, unit=unit, disable=not self.progress, leave=False, dynamic_ncols=True)
 
+    def model_sha256(self) -> str:
+        if self._model_sha256 is None:
+            self._model_sha256 = model_fingerprint(self.model)
+        return self._model_sha256
+
+    def _stats_sha256(self) -> str | None:
+        if self.stats_path is not None and Path(self.stats_path).is_file():
+            return file_sha256(self.stats_path)
+        if self.stats is not None:  # statistics passed in memory: their tensors
+            hashed = hashlib.sha256()
+            for tensor in (self.stats.q_mean.real, self.stats.q_mean.imag, self.stats.q_abs_mean):
+                hashed.update(tensor.detach().double().cpu().contiguous().numpy().tobytes())
+            return hashed.hexdigest()
+        return None
+
+    def identity(self) -> dict:
+        """The fingerprint fields every cell of this run shares: what the model, tokenizer, statistics and code
+        were, and the dtype, threads, device and versions it ran on (`commit`: where the code came from)."""
+        import transformers
+
+        files = code_files()
+        return {"model_sha256": self.model_sha256(), "tokenizer_sha256": tokenizer_sha256(self.tokenizer),
+                "stats_sha256": self._stats_sha256(), "code_sha256": code_sha256(files), "commit": git_commit(files),
+                "dtype": str(next(self.model.parameters()).dtype).removeprefix("torch."),
+                "threads": torch.get_num_threads(), "device": str(next(self.model.parameters()).device),
+                "torch": torch.__version__, "transformers": transformers.__version__}
+
     # ---- tasks
     def run(self) -> dict:
         started = time.perf_counter()
         torch.manual_seed(self.config.seed)
         self._load()
+        self.units.identity = self.identity()
         results = {}
         for task in self.config.tasks:
             task_started = time.perf_counter()
@@ -510,6 +696,9 @@ class QualityRun:
             raise ValueError(f"none of {c.model}'s {c.traces} traces passes the validity rule; write them again "
                              "(python -m trikv.benchmarks.quality.traces)")
         names = [text.name for text in texts + traces]
+        from .texts import texts_sha256
+
+        self.fed_texts_sha256 = texts_sha256(texts + traces)
         if len(set(names)) != len(names):
             raise ValueError(f"two fidelity texts share a name ({', '.join(names)}); rename the file")
         token_lists = [text_token_ids(text, self.tokenizer) for text in texts]
@@ -536,6 +725,7 @@ class QualityRun:
 
         c = self.config
         names, ids, prompts = self._fidelity_texts()
+        self.units.expect("fidelity", digest([names, ids, prompts]), self.fed_texts_sha256)
         suite = FidelitySuite(self.model, ids, prompts, c.max_chunk, c.recall_stride, c.horizons)
         cells = [cell for cell in self.cells() if cell[0] != "full"]
         recall_todo = [cell for cell in cells if self.units.get("recall", *cell) is None]
@@ -598,6 +788,7 @@ class QualityRun:
             meta["trace_frame"] = "chat template" if is_instruct(self.tokenizer) else "plain completion prompt"
         if self.stats is not None:  # the statistics' query concentration (mean R over bands and heads) per layer
             meta["concentration_per_layer"] = [round(float(x), 5) for x in self.stats.head_concentration().mean(-1)]
+            meta["concentration_per_head"] = [[round(float(x), 5) for x in row] for row in self.stats.head_concentration()]
         return {"fidelity": {"meta": meta, "methods": fidelity}, "recall": {"meta": meta | {"horizons": c.horizons, "query_stride": c.recall_stride}, "methods": recall}}
 
     def _prefill_windows(self) -> tuple[list[str], list[list[int]]]:
@@ -611,7 +802,11 @@ class QualityRun:
             raise ValueError(f"unknown text(s) {missing}; shipped: {', '.join(shipped)}")
         width = c.prefill_prompt_tokens + c.prefill_continuation_tokens
         names, windows = [], []
-        for text in [shipped[name] for name in c.texts] + [text_from_file(path) for path in c.text_files]:
+        sources = [shipped[name] for name in c.texts] + [text_from_file(path) for path in c.text_files]
+        from .texts import texts_sha256
+
+        self.prefill_texts_sha256 = texts_sha256(sources)
+        for text in sources:
             ids = text_token_ids(text, self.tokenizer)
             for index, start in enumerate(range(0, len(ids) - width + 1, width)):
                 names.append(f"{text.name}#{index}")
@@ -630,6 +825,7 @@ class QualityRun:
 
         c = self.config
         names, windows = self._prefill_windows()
+        self.units.expect("prefill", digest([names, windows]), self.prefill_texts_sha256)
         suite = FidelitySuite(self.model, windows, [c.prefill_prompt_tokens] * len(windows), c.max_chunk)
         cells = [cell for cell in self.cells() if cell[0] != "full"]
         todo = [(mode, cell) for cell in cells for mode in ("during", "after")
@@ -698,6 +894,7 @@ class QualityRun:
 
         c = self.config
         graphs = dfs.make_graphs(c.dfs_graphs, c.seed, c.dfs_min_nodes, c.dfs_max_nodes, min_steps=max(c.dfs_ks))
+        self.units.expect("dfs", digest([graphs, c.dfs_ks, c.dfs_prompt]))
         out = {"meta": {"graphs": [{"kind": g.kind, "nodes": g.n, "edges": len(g.edges), "steps": len(g.states) - 1,
                                     "seed": g.seed} for g in graphs], "ks": c.dfs_ks, "mode": c.dfs_mode}}
         modes = ["teacher-forced", "generative"] if c.dfs_mode == "both" else [c.dfs_mode]
@@ -735,6 +932,7 @@ class QualityRun:
 
         c = self.config
         items = needle.make_items(self.tokenizer, c.needle_lengths, c.needle_depths, c.seed, c.needle_keys)
+        self.units.expect("needle", digest([[list(item.input_ids), list(item.answer_ids)] for item in items]))
         table = {}
         for method, budget in self.cells():
             unit = self.units.get("needle", method, budget)
@@ -765,6 +963,10 @@ class QualityRun:
                         "excluded_rows": {d: sorted(math_task.reserved_rows(d)) for d in c.math_datasets}}}
         for dataset in c.math_datasets:
             problems = math_task.load_problems(dataset, c.math_limit, ids=c.math_problems)
+            # a cell holds answers by problem id and a run may extend it with more problems: the whole dataset's
+            # prompts and answers, not which of them this run asks, decide whether its answers can be reused
+            self.units.expect(f"math-{dataset}", digest([(p["id"], p["prompt"], p["answer"])
+                                                         for p in math_task.load_problems(dataset)]))
             table = {}
             for method, budget in self.cells():
                 name = f"math-{dataset}"
@@ -820,7 +1022,7 @@ class QualityRun:
 
         from ... import __version__
 
-        model_info = {"name": self.config.model, "sha256_parameters": model_fingerprint(self.model),
+        model_info = {"name": self.config.model, "sha256_parameters": self.model_sha256(),
                       "class": type(self.model).__name__, "dtype": str(next(self.model.parameters()).dtype),
                       "parameters": sum(p.numel() for p in self.model.parameters())}
         stats_info = None
@@ -843,6 +1045,8 @@ class QualityRun:
             "environment": {"python": platform.python_version(), "torch": torch.__version__,
                             "transformers": transformers.__version__, "threads": torch.get_num_threads(),
                             "device": str(next(self.model.parameters()).device), "platform": platform.platform()},
+            "fingerprint": {**(self.units.identity or {}), "inputs": self.units.inputs},
+            "cells": self.units.status,  # "task/method/budget" -> computed now / reused (with its fingerprint) / not reused
             "wall_seconds": seconds,  # this invocation (a resumed run reuses earlier units)
             "compute_seconds": self._grid_seconds(),
             "unit_seconds": self.unit_seconds,

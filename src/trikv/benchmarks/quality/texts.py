@@ -63,6 +63,15 @@ def text_from_file(path: str | Path) -> FidelityText:
     return FidelityText(name=path.stem, kind="real", text=text, source=str(path))
 
 
+def texts_sha256(texts: list[FidelityText]) -> str:
+    """sha256 of the texts a run feeds, by what they say (name, prompt, text) in order: a run's record and a page can
+    tell from it, without a tokenizer, whether a run fed the texts that ship now."""
+    import hashlib
+
+    rows = [[text.name, text.prompt, text.text] for text in texts]
+    return hashlib.sha256(json.dumps(rows, ensure_ascii=False).encode("utf-8")).hexdigest()
+
+
 def text_token_ids(text: FidelityText, tokenizer) -> list[int]:
     """Token ids of a text as the benchmark feeds it: traces behind their own prompt (the chat template of an instruct
     model), real text from its start (after the model's BOS where it takes one)."""

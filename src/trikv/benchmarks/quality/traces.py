@@ -88,7 +88,7 @@ def sampling_label(sampling: dict | None) -> str:
     """'T 0.6, top-p 0.95' (with ', top-k 64' where top-k sampling was on), or 'not recorded'."""
     if not sampling:
         return "not recorded"
-    return (f"T {sampling['temperature']:g}, top-p {sampling['top_p']:g}"
+    return (f"T {float(sampling['temperature'])}, top-p {float(sampling['top_p'])}"
             + (f", top-k {sampling['top_k']}" if sampling.get("top_k") else ""))
 
 
