@@ -188,3 +188,16 @@ def test_a_concentration_threshold_is_named_only_where_the_data_separate():
     points = concentration.layer_points(mixed, "rkv", "128")
     assert [p["lead"] for p in points] == pytest.approx([0.03, -0.04, 0.04, -0.03, 0.05, 0.03])
     assert points[1]["high"] == pytest.approx(-0.03) and points[1]["over"] == "texts"
+
+
+def test_traces_near_a_threshold_are_named(tmp_path, monkeypatch):
+    from trikv.benchmarks.quality.report import near_threshold_traces
+    from trikv.benchmarks.quality.validity import MAX_REPEAT_SHARE, MIN_MASKED_COMPRESSION
+
+    monkeypatch.setattr(traces, "TRACES_DIR", tmp_path)
+    rows = [_trace_row("math500-400", "a"), _trace_row("math500-401", "b"), _trace_row("math500-408", "c", valid=False)]
+    rows[1]["validity"] |= {"masked_compression": MIN_MASKED_COMPRESSION * 1.05}
+    rows[2]["validity"] |= {"repeat_share": MAX_REPEAT_SHARE * 0.95}  # not valid: not named
+    (tmp_path / "tiny.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    assert near_threshold_traces() == [f"tiny evaluation math500-401 (masked zlib ratio {MIN_MASKED_COMPRESSION * 1.05:.3f} "
+                                       f"against >= {MIN_MASKED_COMPRESSION})"]

@@ -1238,6 +1238,32 @@ def shipped_trace_validity(markdown: bool = True) -> str | None:
                    "sampling", "enters the headline"], rows, markdown)
 
 
+def near_threshold_traces(margin: float = 0.1) -> list[str]:
+    """Valid shipped traces whose figures lie within `margin` (relative) of a threshold of the current rule: where
+    the rule's verdict hangs on a small difference, named so a reader can look at them."""
+    from .traces import SPLITS, TRACES_DIR, load_traces
+    from .validity import MAX_REPEAT_SHARE, MIN_MASKED_COMPRESSION, judged_by_this_rule
+
+    near = []
+    for path in sorted(TRACES_DIR.glob("*.jsonl")):
+        for split in SPLITS:
+            try:
+                traces = load_traces(path.stem, split)
+            except ValueError:
+                continue
+            for trace in traces:
+                figures = trace.validity
+                if not trace.valid or not judged_by_this_rule(figures):
+                    continue
+                if figures["masked_compression"] < (1 + margin) * MIN_MASKED_COMPRESSION:
+                    near.append(f"{path.stem} {split} {trace.name} (masked zlib ratio {figures['masked_compression']:.3f} "
+                                f"against >= {MIN_MASKED_COMPRESSION})")
+                if figures["repeat_share"] > (1 - margin) * MAX_REPEAT_SHARE:
+                    near.append(f"{path.stem} {split} {trace.name} (longest masked repeat {figures['repeat_share']:.1%} "
+                                f"against <= {MAX_REPEAT_SHARE:.1%})")
+    return near
+
+
 def dedup_history_lines(sweep_path: str | Path | None = None) -> list[str]:
     """How `triattention-dedup` came about, computed from its shipped weight sweep (so the page cannot tell it
     otherwise): what it was tuned on, what R-KV scored there, when it became the first registration's candidate."""
@@ -1569,6 +1595,9 @@ def write_report(folders: list[str | Path], out: str | Path, title: str = "trikv
                   "(`validity.derive_thresholds`, pinned by a test); the rule was committed before any trace set was "
                   "judged under it. Computed from the shipped trace files (`src/trikv/benchmarks/quality/data/traces/`); "
                   "each run below repeats the figures of the traces it fed.", "", validity_table, ""]
+        near = near_threshold_traces()
+        if near:
+            lines += [f"Valid traces within 10% of a threshold (the verdict hangs on a small difference): {'; '.join(near)}.", ""]
     if replaces:
         lines += [f"This page replaces [{Path(replaces).name}]({Path(replaces).name}), kept for reference: its run folders "
                   "are gone, so it cannot be regenerated, and its figures made before the rules above (trace validity, "
