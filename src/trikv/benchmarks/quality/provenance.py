@@ -133,13 +133,11 @@ def run_provenance(record: dict) -> Provenance:
         unrecorded = True
         lines.append("fingerprint: not recorded (made before cells recorded one): the code commit, and the thread count "
                      "and inputs of each cell, were not kept")
-        if not one_invocation(record):
+        reused = not one_invocation(record)
+        if reused:
             compute, wall = record.get("compute_seconds", 0) / 60, record["wall_seconds"] / 60
-            what = (f"the invocation that wrote results.json computed {wall:.1f} of its {compute:.1f} min: the thread "
-                    f"count it records ({record['environment']['threads']}) is that invocation's, not the cells'")
-            if "fidelity" in results:
-                reasons.append("it reused cells computed by earlier invocations whose inputs were not recorded")
-            lines.append(what)
+            lines.append(f"the invocation that wrote results.json computed {wall:.1f} of its {compute:.1f} min: the thread "
+                         f"count it records ({record['environment']['threads']}) is that invocation's, not the cells'")
         if shipped is not None and shipped["all_traces"]:
             validity = results["fidelity"]["meta"].get("trace_validity") or {}
             fed = [name for name in results["fidelity"]["meta"]["texts"] if name in validity]
@@ -157,6 +155,8 @@ def run_provenance(record: dict) -> Provenance:
             if checked:
                 lines.append(f"the {len(fed)} traces it fed carry the token count and zlib ratio of the shipped ones to the "
                              "last digit: consistent with the same text, not proof of it")
+        if reused and "fidelity" in results:  # after what the inputs say: whatever they say, these cells cannot be told
+            reasons.append("it reused cells computed by earlier invocations whose inputs were not recorded")
     if stats:
         lines.append("its statistics are the shipped file (sha256 equal)")
     status = SUPERSEDED if reasons else UNRECORDED if unrecorded else CURRENT
