@@ -143,14 +143,15 @@ def run_provenance(record: dict) -> Provenance:
             fed = [name for name in results["fidelity"]["meta"]["texts"] if name in validity]
             rejected = [name for name in fed if name in shipped["all_traces"] and name not in shipped["traces"]]
             if rejected:
-                reasons.append(f"{len(rejected)} of the {len(fed)} traces it fed fail the current validity rule "
-                               f"({', '.join(rejected)})")
+                reasons.append(f"{len(rejected)} of the {len(fed)} traces it fed {'fails' if len(rejected) == 1 else 'fail'} "
+                               f"the current validity rule ({', '.join(rejected)})")
             missing = [name for name in shipped["traces"] if name not in fed]
             if missing:
                 reasons.append(f"it did not feed {len(missing)} trace(s) that ship now ({', '.join(missing)})")
             differing = [name for name in fed if name in shipped["traces"] and not _same_figures(validity[name], shipped["traces"][name])]
             if differing:
-                reasons.append(f"{len(differing)} of the traces it fed differ from the shipped ones ({', '.join(differing)})")
+                reasons.append(f"{len(differing)} of the traces it fed {'differs' if len(differing) == 1 else 'differ'} from "
+                               f"the shipped ones ({', '.join(differing)})")
             checked = not (rejected or missing or differing)
             if checked:
                 lines.append(f"the {len(fed)} traces it fed carry the token count and zlib ratio of the shipped ones to the "

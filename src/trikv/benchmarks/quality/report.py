@@ -1119,8 +1119,9 @@ def summary_lines(named_records: list[tuple[str, dict]], provenance: dict | None
                      + ", ".join(f"`{m}`" for m in published) + f") on {what}: " + "; ".join(headline)
                      + f". In all it leads {counts['leads']}, ties {counts['ties']} and trails {counts['trails']} of these "
                      f"{total} comparisons"
-                     + (f"; on the runs whose inputs are the shipped ones alone, it leads {usable_counts['leads']}, ties "
-                        f"{usable_counts['ties']} and trails {usable_counts['trails']}" if usable_counts != counts else "")
+                     + (f"; on the runs not superseded alone (their inputs, recorded or told by their recorded figures, "
+                        f"are the shipped ones) it leads {usable_counts['leads']}, ties {usable_counts['ties']} and trails "
+                        f"{usable_counts['trails']}" if usable_counts != counts else "")
                      + ".")
     lines += details
     sampling = {}
