@@ -354,13 +354,19 @@ def cmd_demo(args) -> int:
 
 
 def _add_methods(sub) -> None:
-    p = sub.add_parser("methods", help="list the eviction methods and their rules")
+    p = sub.add_parser("methods", help="list the eviction methods and their rules",
+                       epilog="example: trikv methods --markdown > methods.md")
+    p.add_argument("--markdown", action="store_true",
+                   help="a Markdown table: rule, publication, statistics needed, backends that run it")
     p.set_defaults(func=cmd_methods)
 
 
 def cmd_methods(args) -> int:
-    from .policies import REGISTRY
+    from .policies import REGISTRY, methods_markdown
 
+    if args.markdown:
+        print(methods_markdown())
+        return 0
     width = max(len(name) for name in REGISTRY)
     for name, entry in REGISTRY.items():
         print(f"{name.ljust(width)}  {entry.rule}")

@@ -119,6 +119,23 @@ def describe_methods() -> list[tuple[str, str]]:
     return [(entry.name, entry.rule) for entry in REGISTRY.values()]
 
 
+def methods_markdown() -> str:
+    """A Markdown table of every registered method: its rule, the publication it comes from, whether it needs
+    calibration statistics and which backends run it (vLLM and MLX run the methods that score stored keys only)."""
+    from ..settings import key_only_methods
+
+    everywhere = set(key_only_methods())
+    lines = ["| method | rule | from | statistics | backends |", "|---|---|---|---|---|"]
+    for name, entry in REGISTRY.items():
+        paper = entry.policy_class.paper or "-"
+        if entry.preset and entry.policy_class.paper and not entry.policy_class.paper.startswith("trikv"):
+            paper = f"variant of {paper.split(',')[0]}'s method" if entry.note.startswith(("ablation", "reference", "SnapKV's")) else paper
+        backends = "transformers, vLLM, MLX" if name in everywhere else "transformers"
+        needs = "yes" if entry.needs_stats else "no"
+        lines.append(f"| `{name}` | {entry.rule.replace('|', chr(92) + '|')} | {paper} | {needs} | {backends} |")
+    return "\n".join(lines)
+
+
 def list_methods_table() -> str:
     """A printable two-column table of the registered methods and their rules."""
     rows = describe_methods()
@@ -137,6 +154,7 @@ __all__ = [
     "register",
     "describe_methods",
     "list_methods_table",
+    "methods_markdown",
     "FullAttention",
     "StreamingLLM",
     "TriAttention",

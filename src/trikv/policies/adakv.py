@@ -62,6 +62,7 @@ class AdaKV(SnapKV):
 
     name = "adakv"
     rule = "SnapKV scores, layer-global top-(Hkv x B) across heads with a 20% per-head floor (Ada-KV)"
+    paper = 'Feng et al., Ada-KV: Optimizing KV Cache Eviction by Adaptive Budget Allocation for Efficient LLM Inference (arXiv 2407.11550)'
     floor: float = 0.2
     # SnapKV's decode-time port (KVCache-Factory's defaults), not the official prefill defaults
     window_size: int = 8

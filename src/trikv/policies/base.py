@@ -70,6 +70,7 @@ class Policy:
 
     name: ClassVar[str] = "base"
     rule: ClassVar[str] = ""
+    paper: ClassVar[str] = ""  # the publication whose rule this is (trikv's own variants say so)
     evicts: ClassVar[bool] = True
     recent_window: int = 0  # most recent tokens that are never evicted
     # True when a row's scores depend on that row of the context alone (no per-row state): the cache then

@@ -30,6 +30,7 @@ class H2O(SlotStatePolicy):
 
     name = "h2o"
     rule = "accumulated attention of all past queries (heavy hitters) + recent window (half the budget each)"
+    paper = 'Zhang et al., H2O: Heavy-Hitter Oracle for Efficient Generative Inference of Large Language Models, NeurIPS 2023 (arXiv 2306.14048)'
     recent_ratio: float = 0.5
     recent_tokens: int | None = None  # overrides recent_ratio when given
     schedule: str = "shared"

@@ -47,6 +47,7 @@ class TriAttentionAM(TriAttention):
 
     name = "tri-am"
     rule = "TriAttention keeps the keys; biases + values fitted by attention matching on calibrated future queries"
+    paper = "trikv's own: TriAttention's selection with Attention Matching's fit (Zweiger et al., arXiv 2602.16284)"
     samples: int = 4  # draws per (query head, offset)
     seed: int = 0
     recent_queries: int = 0  # also use the last w post-RoPE queries (0: statistics only)

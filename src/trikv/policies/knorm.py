@@ -23,6 +23,7 @@ class KnormPress(Policy):
 
     name = "knorm"
     rule = "keep the keys with the smallest L2 norm"
+    paper = 'Devoto et al., A Simple and Effective L2 Norm-Based Strategy for KV Cache Compression, EMNLP 2024 (arXiv 2406.11430)'
     scores_rows_independently = True
     scores_layers_independently = True
     scores_heads_independently = True

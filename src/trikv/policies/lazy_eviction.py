@@ -38,6 +38,7 @@ class LazyEviction(SlotStatePolicy):
 
     name = "lazyeviction"
     rule = "recurrence score from last hit and max recurrence interval (alpha 1e-4) + last W=128 tokens"
+    paper = 'Zhang et al., LazyEviction (arXiv 2506.15969)'
     alpha: float = 1e-4
     window: int = 128
     schedule: str = "shared"

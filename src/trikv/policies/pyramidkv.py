@@ -77,6 +77,7 @@ class PyramidKV(SnapKV):
 
     name = "pyramidkv"
     rule = "SnapKV scores with layer budgets decreasing linearly with depth (same total)"
+    paper = 'Cai et al., PyramidKV: Dynamic KV Cache Compression based on Pyramidal Information Funneling (arXiv 2406.02069)'
     beta: int = 20
     # SnapKV's decode-time port (KVCache-Factory's defaults), not the official prefill defaults
     window_size: int = 8

@@ -29,6 +29,7 @@ class RaaS(SlotStatePolicy):
 
     name = "raas"
     rule = "LRU: timestamp refreshed when a decode query gives >= 1e-4 attention; prompt kept (re-implementation)"
+    paper = 'Hu et al., Efficient Long-Decoding Inference with Reasoning-Aware Attention Sparsity, ACL Findings 2025 (arXiv 2502.11147)'
     alpha: float = 1e-4
     schedule: str = "shared"
 

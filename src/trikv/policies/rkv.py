@@ -67,6 +67,7 @@ class RKV(ObservationWindowPolicy):
 
     name = "rkv"
     rule = "λ·pooled window attention − (1−λ)·key redundancy (λ=0.1, window 8, kernel 7, threshold 0.5)"
+    paper = 'Cai et al., R-KV: Redundancy-aware KV Cache Compression for Reasoning Models (arXiv 2505.24133)'
     mix_lambda: float = 0.1
     kernel_size: int = 7
     similarity_threshold: float = 0.5

@@ -28,6 +28,7 @@ class RPC(QueryAttentionPolicy):
 
     name = "rpc"
     rule = "summed attention of the last 32 queries over the reasoning region, all-head mean, avg-pool 7"
+    paper = 'Song et al., Reasoning Path Compression, NeurIPS 2025 (arXiv 2505.13866)'
     selector_window: int = 32
     kernel_size: int = 7
     pooling: str = "avg"

@@ -69,6 +69,7 @@ class SnapKV(ObservationWindowPolicy):
 
     name = "snapkv"
     rule = "official SnapKV: pooled (avg, k=5) attention of the last 32 queries, group mean, + the window"
+    paper = 'Li et al., SnapKV: LLM Knows What You are Looking for Before Generation, NeurIPS 2024 (arXiv 2404.14469)'
     window_size: int = 32
     kernel_size: int = 5
     pooling: str = "avg"

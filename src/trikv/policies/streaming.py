@@ -20,6 +20,7 @@ class StreamingLLM(Policy):
 
     name = "streaming"
     rule = "keep 4 attention-sink tokens + the most recent tokens"
+    paper = 'Xiao et al., Efficient Streaming Language Models with Attention Sinks, ICLR 2024 (arXiv 2309.17453)'
     scores_rows_independently = True
     scores_layers_independently = True
     scores_heads_independently = True

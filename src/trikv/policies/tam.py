@@ -77,6 +77,7 @@ class TAM(QueryAttentionPolicy):
 
     name = "tam"
     rule = "segments at double newlines, t_i ∝ sqrt(w_i n_i), pivots kept, AM biases + values from the last 64 queries, every 1024 tokens"
+    paper = 'Liu et al., Thought-Aware KV Cache Compaction for Reasoning via Adaptive Attention Matching (arXiv 2608.12331)'
     interval: int = 1024  # P
     protected_tail: int = 20  # tau
     selector_window: int = 64  # R

@@ -26,6 +26,7 @@ class TOVA(QueryAttentionPolicy):
 
     name = "tova"
     rule = "attention of the newest query averaged over all heads of the layer (layer-wise top-B)"
+    paper = 'Oren et al., Transformers are Multi-State RNNs (arXiv 2401.06104)'
     scores_rows_independently = True
     schedule: str = "shared"
 

@@ -35,6 +35,7 @@ class TriAttentionDedup(TriAttention):
 
     name = "triattention-dedup"
     rule = "z-scored TriAttention score - 0.5 x z-scored key redundancy (R-KV's mean cosine similarity); + 32 recent"
+    paper = "trikv's own variant of TriAttention with R-KV's redundancy term (not in a paper)"
     redundancy_weight: float = 0.5
     similarity_threshold: float = 0.5
     recent_window: int = 32

@@ -35,6 +35,7 @@ class TriAttentionWindow(TriAttention):
 
     name = "triattention-window"
     rule = "0.75 x z-scored TriAttention score + 0.25 x z-scored log attention of the last 32 queries; + the window"
+    paper = "trikv's own variant of TriAttention (not in a paper)"
     window_size: int = 32
     kernel_size: int = 5
     window_weight: float = 0.25

@@ -36,6 +36,7 @@ class TriAttention(Policy):
 
     name = "triattention"
     rule = "trigonometric series of calibrated pre-RoPE query centres + norm term; top-B per (layer, KV head)"
+    paper = 'Mao et al., TriAttention: Efficient Long Reasoning with Trigonometric KV Compression, arXiv 2604.04921 (2026)'
     scores_rows_independently = True
     stats: QueryStats | None = None
     max_offset: int = 65536

@@ -25,6 +25,7 @@ class VATP(H2O):
 
     name = "vatp"
     rule = "value L1 norm x accumulated attention (H2O) + 20 sink tokens + recent window"
+    paper = 'Guo, Kamigaito, Watanabe, Attention Score is not All You Need for Token Importance Indicator in KV Cache Reduction: Value Also Matters, EMNLP 2024'
     sink_tokens: int = 20
 
     def importance(self, context: ScoringContext) -> torch.Tensor:
