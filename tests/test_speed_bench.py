@@ -69,7 +69,7 @@ def test_speed_bench_end_to_end(tmp_path, monkeypatch):
         measured["speedup"] = 1.5
     assert all(not row[2] for row in targets(slow) if row[0].startswith("lean >= x2"))
     assert (tmp_path / "speed_files").is_dir() and "speed.png" in page
-    with pytest.raises(FileNotFoundError, match="no speed.json or memory.json"):
+    with pytest.raises(FileNotFoundError, match="no speed.json, whole.json or memory.json"):
         write_speed_report([tmp_path], tmp_path / "bad.md")
 
 
@@ -188,3 +188,113 @@ def test_a_target_row_names_the_compute_floor_when_the_run_measured_it():
     assert "256-token context takes 70.0 ms" in row[1] and "at most x8.00 is attainable: 88% of it" in row[1]
     record["results"] = record["results"][1:]  # no floor measured: nothing claimed
     assert "attainable" not in next(r for r in targets(record) if "B=256" in r[0])[1]
+
+
+class _Tokenizer:
+    pad_token_id = 0
+    eos_token_id = 5
+    chat_template = None
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(map(str, ids))
+
+
+@pytest.mark.parametrize("engine", ["lean", "transformers"])
+@pytest.mark.parametrize("sampled", [False, True])
+def test_interleaved_decodings_give_what_generate_gives(engine, sampled):
+    """Decoded in turns, each generation makes the tokens trikv.generate makes alone (left padding, EOS, sampling
+    from its own seeded random state) with the same rounds and memory figures."""
+    import trikv
+    from trikv.benchmarks.speed.paired import Decoding, interleave
+
+    model = tiny_model("llama")
+    stats = tiny_stats(model)
+    torch.manual_seed(3)
+    prompts = [torch.randint(6, 96, (n,)).tolist() for n in (29, 11)]
+    common = dict(max_new_tokens=60, min_new_tokens=10, do_sample=sampled, temperature=0.7, top_p=0.9, seed=4, engine=engine)
+    bounded = dict(method="triattention", stats=stats, budget=16, divide_length=8)
+    decodings = [Decoding(model, _Tokenizer(), prompts, method="full", **common),
+                 Decoding(model, _Tokenizer(), prompts, **bounded, **common)]
+    torch.manual_seed(123)  # the global random state is not what they draw from
+    interleave(decodings, block=3)
+    for decoding, options in zip(decodings, ({"method": "full"}, bounded)):
+        alone = trikv.generate(model, _Tokenizer(), prompts, **options, **common)
+        ours = decoding.result()
+        assert ours.tokens == alone.tokens and ours.texts == alone.texts and ours.steps == alone.steps
+        assert (ours.compression_rounds, ours.peak_entries, ours.peak_cache_bytes) == (
+            alone.compression_rounds, alone.peak_entries, alone.peak_cache_bytes)
+        assert len(decoding.step_seconds) == len(decoding.contexts) == ours.steps - 1
+        assert decoding.contexts[0] == 29 + 1 and decoding.contexts[-1] == 29 + ours.steps - 1
+    assert decodings[1].cache.rounds >= 3 and sum(decodings[1].round_seconds) > 0
+    assert sum(decodings[0].round_seconds) == 0
+
+
+def test_paired_ratio_and_break_even_from_known_step_times():
+    """The ratio of totals over the steps both runs made, an interval that holds it and narrows as load that hits
+    both runs alike is shared; the break-even context where a growing reference crosses a flat bounded cost."""
+    from trikv.benchmarks.speed.paired import break_even_context, paired_blocks, paired_ratio
+
+    generator = torch.Generator().manual_seed(0)
+    load = 1 + torch.rand(400, generator=generator)  # machine noise, the same for both runs of a block
+    reference = (0.030 * load).tolist()
+    other = (0.025 * load).tolist()
+    ratio, low, high = paired_ratio(reference, other)
+    assert ratio == pytest.approx(1.2) and low == pytest.approx(1.2) and high == pytest.approx(1.2)
+    other_noisy = (0.025 * (1 + torch.rand(400, generator=generator))).tolist()  # load that hit one run only
+    ratio, low, high = paired_ratio(reference, other_noisy)
+    assert low < ratio < high and high - low > 0.02
+    assert paired_blocks(reference, other[:17], block=8).shape == (3, 2)  # decode steps 1..17: turns 0, 1, 2
+    # full attention grows by 10 us per token from 20 ms at context 0; the bounded cache costs 25 ms a step after
+    # its first round (step 100): full costs more from context 500 on
+    contexts = list(range(100, 1100))
+    full = [0.020 + 1e-5 * c for c in contexts]
+    bounded = [0.020 + 1e-5 * c if step < 100 else 0.025 for step, c in enumerate(contexts)]
+    assert break_even_context(contexts, full, bounded, bounded_from=100) == pytest.approx(500, rel=0.02)
+    flat = [0.03] * 1000  # no growth with the context: faster everywhere after the round, or not resolved
+    assert break_even_context(contexts, flat, bounded, bounded_from=100) == contexts[100]
+    assert break_even_context(contexts, [0.025] * 1000, bounded, bounded_from=100) is None
+    assert break_even_context(contexts, full, bounded, bounded_from=990) is None  # too few blocks after the round
+
+
+def test_whole_generation_rows_and_their_target(tmp_path):
+    """`--whole-generation`: per batch and N, full attention and each bounded cache decoded interleaved from a real
+    prompt; speed-ups with intervals, the same without the rounds, and the target checked from those numbers."""
+    from trikv.benchmarks.speed.whole import run_whole_generation, whole_targets
+    from trikv.benchmarks.speed_report import write_speed_report
+
+    model = tiny_model("llama")
+    config = speed.SpeedConfig(
+        model="tiny-llama", methods=["full", "triattention"], budgets=[16, 96], batch_sizes=[1, 2], engines=["lean"],
+        divide_length=8, out=str(tmp_path / "whole"), progress=False, whole_generation=[24, 72], prompt_tokens=12,
+    )
+    record = run_whole_generation(config, model, None, tiny_stats(model))
+    results = record["results"]
+    assert len(results) == 2 * 2 * 3  # batches x N x (full + two budgets)
+    for r in results:
+        assert r["tokens_per_second"] > 0 and len(r["step_ms"]) == r["new_tokens"] - 1
+        if r["method"] == "full":
+            assert r["entries_final"] == 12 + r["new_tokens"] - 1 and r["rounds"] == 0
+            continue
+        assert r["speedup_low"] <= r["speedup_vs_full"] <= r["speedup_high"]
+        assert r["speedup_without_rounds"] >= r["speedup_vs_full"] and r["round_seconds"] > 0  # scoring ahead at least
+        if r["budget"] == 16:  # a round every 8 tokens from 24 entries on
+            assert r["rounds"] >= (12 + r["new_tokens"] - 24) // 8 and r["entries_peak"] <= 16 + 8
+            assert r["first_round_context"] == 24 + 1  # the step that finds 24 entries attends to 25
+        else:  # never reaches 96 + 8 entries: no round, the same entries as full attention
+            assert r["rounds"] == 0 and r["first_round_context"] is None
+    rows = whole_targets(record)
+    assert len(rows) == 2 * 2 * 2 and all(row[2] == (_high(record, row) >= 1.0) for row in rows)
+    slow = json.loads(json.dumps(record))  # a bounded path slower than full beyond its rounds fails its row
+    for r in slow["results"]:
+        if r["method"] != "full":
+            r["speedup_without_rounds"], r["without_rounds_low"], r["without_rounds_high"] = 0.9, 0.85, 0.95
+    assert not any(row[2] for row in whole_targets(slow))
+    page = write_speed_report([tmp_path / "whole"], tmp_path / "speed.md").read_text()
+    assert "## Whole generations `whole`" in page and page.count("bounded >= full beyond its round cost") == 8
+    assert "N=72, triattention B=16" in page and (tmp_path / "whole" / "whole.png").stat().st_size > 1000
+
+
+def _high(record: dict, row) -> float:
+    r = next(r for r in record["results"] if r["method"] != "full" and
+             row[0].endswith(f"batch {r['batch']}, N={r['new_tokens']}, triattention B={r['budget']}"))
+    return r["without_rounds_high"]

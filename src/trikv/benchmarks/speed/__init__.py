@@ -23,6 +23,12 @@ context grows (the cache never holds more than budget + slack + one chunk); full
 preallocated buffer. The prompt is not protected (the filled context stands for generated text). Every
 measured step is then a real model forward on the model's own greedy token.
 
+Whole generations (`--whole-generation N,...`, `whole.py`): instead of the grid, a real prompt decoded to prompt + N
+tokens with full attention and each bounded cache, interleaved in blocks of steps (`paired.py`: trikv.generate's
+loop one step at a time), rounds included; the speed-up of each bounded cache with a bootstrap interval over the
+paired blocks, the same without its rounds' time (it must not be below 1 beyond noise), and the context from which
+the bound pays.
+
 Engines: "lean" (trikv's plain-PyTorch decoder, `trikv.lean`) and "transformers" (the model's own forward;
 full attention there is transformers' DynamicCache). llama.cpp (`llama-cpp-python`, optional) decodes the
 bundled GGUF at the same context lengths with its full cache, batch 1, in the same run.
@@ -41,6 +47,8 @@ _EXPORTS = {
     "kv_bytes_per_token": "machine", "measure_bandwidth": "machine", "weight_bytes_per_step": "machine",
     "format_table": "report", "plot": "report", "write_outputs": "report",
     "SpeedConfig": "config", "memory_run": "runner", "run_speed": "runner",
+    "Decoding": "paired", "interleave": "paired", "paired_ratio": "paired", "break_even_context": "paired",
+    "run_whole_generation": "whole", "whole_targets": "whole",
 }
 __all__ = [*_EXPORTS, "cli"]
 

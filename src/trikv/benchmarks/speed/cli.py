@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 from .config import DEFAULT_BUDGETS, DEFAULT_CONTEXTS, SpeedConfig
-from ...settings import DEFAULT_DIVIDE_LENGTH
+from ...settings import DEFAULT_DIVIDE_LENGTH, DEFAULT_PREFILL_CHUNK_SIZE
 
 
 def _ints(text: str) -> list[int]:
@@ -29,7 +29,9 @@ def add_speed_arguments(parser) -> None:
     parser.add_argument("--warmup", type=int, default=4, help="unmeasured steps first (the fill's last round runs here)")
     parser.add_argument("--divide-length", type=int, default=int(DEFAULT_DIVIDE_LENGTH), help="slack beta")
     parser.add_argument("--seed-tokens", type=int, default=512, help="length of the real prefill that is tiled")
-    parser.add_argument("--fill-chunk", type=int, default=1024, help="bounded caches are filled in chunks of this size")
+    parser.add_argument("--fill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK_SIZE,
+                        help="bounded caches are filled in chunks of this size (default: the caches' prefill chunk, "
+                             "as trikv.generate feeds a long prompt)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--max-kv-gb", type=float, default=8.0, help="skip configurations whose KV cache exceeds this")
     parser.add_argument("--spread", default="on", choices=["on", "off", "both"],
@@ -42,6 +44,11 @@ def add_speed_arguments(parser) -> None:
     parser.add_argument("--memory-run", type=int, default=0, metavar="TOKENS",
                         help="instead of the grid: generate TOKENS real tokens with the first method and budget, "
                              "sampling RSS and KV entries (memory.json / memory.png)")
+    parser.add_argument("--whole-generation", type=_ints, default=[], metavar="N,...",
+                        help="instead of the grid: decode a real prompt to prompt + N tokens for each N, full attention and "
+                             "each bounded configuration interleaved, rounds included; speed-ups with 95%% intervals, "
+                             "checked against the round cost (whole.json / whole.txt / whole.png)")
+    parser.add_argument("--prompt-tokens", type=int, default=64, help="prompt length of --whole-generation (default 64)")
     parser.add_argument("--out", default="bench-speed", help="output folder (speed.json, speed.csv, speed.png, speed.txt)")
     parser.add_argument("--no-progress", action="store_true")
     parser.set_defaults(func=speed_main)
@@ -60,7 +67,10 @@ def speed_main(args) -> int:
         llama_cpp_threads=args.llama_cpp_threads, engine_check=not args.no_engine_check,
         engine_check_steps=args.engine_check_steps, max_kv_gb=args.max_kv_gb, out=args.out, spread=args.spread,
         progress=not args.no_progress, command="trikv " + " ".join(sys.argv[1:]),
+        whole_generation=args.whole_generation, prompt_tokens=args.prompt_tokens,
     )
+    if args.whole_generation and args.memory_run:
+        raise SystemExit("--whole-generation and --memory-run are separate runs: give one of them")
     if args.memory_run:
         if config.threads:
             torch.set_num_threads(config.threads)
@@ -72,6 +82,14 @@ def speed_main(args) -> int:
         print(f"{method} B={record['budget']}: {record['tokens']} tokens, at most {record['max_entries_per_layer_head']} "
               f"entries per (layer, KV head) (limit {record['limit']}), RSS {record['samples'][0]['rss_mb']:.0f} -> "
               f"{record['samples'][-1]['rss_mb']:.0f} MiB, {record['rounds']} rounds")
+        return 0
+    if args.whole_generation:
+        from .whole import run_whole_generation
+
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        model, tokenizer = _load(config)
+        run_whole_generation(config, model, tokenizer, _load_stats(config, model))
         return 0
     run_speed(config)
     return 0

@@ -6,7 +6,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ...settings import DEFAULT_DIVIDE_LENGTH
+from ...settings import DEFAULT_DIVIDE_LENGTH, DEFAULT_PREFILL_CHUNK_SIZE
 
 if TYPE_CHECKING:
     from .decode import RunResult
@@ -27,7 +27,7 @@ class SpeedConfig:
     warmup: int = 4
     divide_length: int = int(DEFAULT_DIVIDE_LENGTH)
     seed_tokens: int = 512
-    fill_chunk: int = 1024
+    fill_chunk: int = DEFAULT_PREFILL_CHUNK_SIZE  # a longer forward on a bounded cache would exceed its bound (and warn)
     threads: int | None = None
     stats: str | None = None
     llama_cpp: bool = True
@@ -40,6 +40,8 @@ class SpeedConfig:
     bandwidth_mb: int = 512  # size of the bandwidth probe
     spread: str = "on"  # TriAttention scores ahead between rounds (trikv.fast): on, off (all scoring at the round) or both
     command: str = ""  # the command line that started the run (recorded in speed.json)
+    whole_generation: list[int] = field(default_factory=list)  # new tokens per whole generation (instead of the grid)
+    prompt_tokens: int = 64  # the whole generations' prompt length
 
 
 def _log(message: str, config: SpeedConfig) -> None:
