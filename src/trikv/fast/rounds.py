@@ -42,6 +42,11 @@ def compact_slots_(buffer: torch.Tensor, order: torch.Tensor) -> None:
         buffer[layer, :, :, :P].copy_(scratch.view(b, H, P, *rest))
 
 
+# Slots scored together ahead of a round at the least: a slice's cost is mostly fixed (a few batched ops over every
+# layer), so three slots a step (batch 1, B=256, beta=128) cost more than scoring them all at the round.
+AHEAD_MIN_SLICE = 32
+
+
 class FastTriScorer(TriScorer):
     """`TriScorer` with a faster `score` (same math; results equal up to float rounding), and scoring ahead.
 
@@ -177,9 +182,10 @@ class FastTriScorer(TriScorer):
             self._ahead_t = t_of()
             self._ahead_weights = self._weights(self._ahead_t, buffer)
         done = self._ahead_done
-        stop = min(length, done + -(-(total - done) // max(steps_left, 1)))
-        if stop <= done:
-            return
+        share = max(-(-(total - done) // max(steps_left, 1)), AHEAD_MIN_SLICE)
+        stop = min(length, done + share)
+        if stop - done < min(AHEAD_MIN_SLICE, share) or stop <= done:
+            return  # too few new slots for a slice worth its fixed cost: they wait for the next step (or the round)
         self._score_into(buffer[:, :, :, done:stop], self._ahead_weights, self._ahead[..., done:stop])
         self._ahead_done = stop
         self._ahead_probe = buffer[:, :, :, stop - 1].clone()
