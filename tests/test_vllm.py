@@ -104,6 +104,14 @@ def prompts(tokenizer):
 
 
 @pytest.fixture(scope="module")
+def long_ids(tokenizer):
+    """About 9,700 tokens of real text: the bundled prose, code and math texts, then the prose again."""
+    folder = Path(trikv.__file__).parent / "data" / "analysis_texts"
+    texts = [(folder / f"{name}.txt").read_text() for name in ("prose", "code", "math", "prose")]
+    return [token for text in texts for token in tokenizer(text)["input_ids"]]
+
+
+@pytest.fixture(scope="module")
 def engines_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("vllm")
 
@@ -118,6 +126,10 @@ def _trikv_settings(method="triattention", **extra):
 OWN_BUDGET = 48  # a request's own budget (extra_args), below the server's
 
 
+CHUNK = 200  # the fp32 engine's prefill_chunk_size: longer than its first batch's prompts
+LONG_FP32_PROMPT = 600  # a fresh prompt prefilled in chunks of CHUNK, compacted between them
+
+
 REFUSED_CHOICES = {"must be an integer number of KV entries": {"trikv_budget": True},
                    "unknown trikv request setting(s) ['trikv_budgett']": {"trikv_budgett": 40},
                    "outside this server's limits [16, 64]": {"trikv_budget": 8}}
@@ -128,15 +140,19 @@ def _fp32(request, prompts):
     """The prompts at the server's budget; then, in a second batch, the longest prompt twice: once with its own
     budget, once with full attention (both chosen through `extra_args`); then malformed choices sent past trikv's
     front-end checks beside a well-formed one, and a streaming-input session added to the engine directly (the
-    engine's own refusals). The probe records the runner's persistent buffers at every step with rounds."""
+    engine's own refusals); last, a fresh prompt of LONG_FP32_PROMPT tokens, prefilled in chunks of CHUNK with rounds
+    between them. The probe records the runner's persistent buffers at every step with rounds, and every step's
+    schedule."""
     own_choices = [{"trikv_budget": OWN_BUDGET}, {"trikv_budget": "full"}]
     refused = list(REFUSED_CHOICES.values()) + [{"trikv_budget": 32}]
-    return {"dtype": "float32", "trikv": _trikv_settings(allow_full_requests=True), "engine": {"num_gpu_blocks_override": POOL},
-            "probe": True,
+    long_prompt = request.getfixturevalue("long_ids")[2500 : 2500 + LONG_FP32_PROMPT]
+    return {"dtype": "float32", "trikv": _trikv_settings(allow_full_requests=True, prefill_chunk_size=CHUNK),
+            "engine": {"num_gpu_blocks_override": POOL}, "probe": True, "schedule_records": True,
             "batches": [{"prompts": prompts, "max_tokens": NEW_TOKENS},
                         {"prompts": [prompts[2], prompts[2]], "max_tokens": 60, "extra_args": own_choices},
                         {"prompts": [prompts[1]] * len(refused), "max_tokens": 8, "extra_args": refused, "frontend_checks": False},
-                        {"prompts": [prompts[1]], "max_tokens": 8, "resumable": True}]}
+                        {"prompts": [prompts[1]], "max_tokens": 8, "resumable": True},
+                        {"prompts": [long_prompt], "max_tokens": 8}]}
 
 
 @pytest.fixture(scope="module")
@@ -148,10 +164,34 @@ def _rounds_of(result: dict, request_id: str, rank: int = 0) -> list[dict]:
     return [r for r in result["rounds"][rank] if r["request_id"].split("-")[0] == request_id]
 
 
-def replay(model, method: str, request: dict, rounds: list[dict], tie: float, stats=None, budget: int = BUDGET) -> dict:
-    """Feed the request's tokens through trikv's transformers cache with vLLM's budget; check each round's
-    vLLM kept set against the cache's own scores; return counts and the teacher-forced greedy predictions."""
-    cache = trikv.make_cache(model, method, budget=budget, divide_length=SLACK, **({"stats": stats} if stats else {}))
+def _steps_of(result: dict, batch: int, request_id: str) -> list[list[int]]:
+    """[first token computed, tokens scheduled, full-attention blocks held, offset] of each step that scheduled the
+    request of batch `batch` (from the scheduler's own bookkeeping, `vllm_scenario.py`'s "schedule_records")."""
+    steps = result["batches"][batch]["schedule"]
+    return [chunk for step in steps for rid, chunk in step.items() if rid.split("-")[0] == request_id]
+
+
+def _all_steps(result: dict) -> list[list[int]]:
+    return [chunk for batch in result["batches"] for step in batch["schedule"] for chunk in step.values()]
+
+
+def _prefill_chunks(steps: list[list[int]], prompt_length: int) -> list[tuple[int, int]]:
+    """vLLM's prefill chunks of a request never preempted: [start, stop) of each step before its prompt was done."""
+    chunks = [(start, start + count) for start, count, _, _ in steps if start < prompt_length]
+    assert chunks and chunks[0][0] == 0 and chunks[-1][1] == prompt_length, chunks
+    assert all(a[1] == b[0] for a, b in zip(chunks, chunks[1:])), chunks
+    return chunks
+
+
+def replay(model, method: str, request: dict, rounds: list[dict], tie: float, stats=None, budget: int = BUDGET,
+           chunks: list[tuple[int, int]] | None = None) -> dict:
+    """Feed the request's tokens through trikv's transformers cache with vLLM's budget (the prompt in vLLM's prefill
+    `chunks`, default one forward, so that rounds between chunks fall where vLLM's did); check each round's vLLM
+    kept set against the cache's own scores; return counts and the teacher-forced greedy predictions."""
+    options = {"stats": stats} if stats else {}
+    if chunks:  # the cache's own bound holds vLLM's chunks (it warns about a longer forward)
+        options["prefill_chunk_size"] = max(2, *(stop - start for start, stop in chunks))
+    cache = trikv.make_cache(model, method, budget=budget, divide_length=SLACK, **options)
     policy = cache.policy
     inner_score = policy.score
     report = {"rounds": 0, "heads": 0, "tied_heads": 0, "max_tie": 0.0}
@@ -187,7 +227,8 @@ def replay(model, method: str, request: dict, rounds: list[dict], tie: float, st
     prompt_length = len(request["prompt"])
     predictions = []
     with torch.no_grad():
-        out = model(input_ids=ids[:, :prompt_length], **cache_kwargs(model, cache))
+        for start, stop in chunks or [(0, prompt_length)]:
+            out = model(input_ids=ids[:, start:stop], **cache_kwargs(model, cache))
         predictions.append(int(out.logits[0, -1].argmax()))
         margins = []
         for index in range(prompt_length, ids.shape[1] - 1):
@@ -215,6 +256,36 @@ def test_eviction_keeps_what_transformers_keeps_fp32(real_model, fp32_run):
         # budget, keeps these very sets and emits these very tokens
         assert report["tied_heads"] == 0
         assert report["predictions"] == request["tokens"]
+
+
+@pytest.mark.engines("fp32")
+def test_a_long_prompt_is_compacted_between_its_chunks_as_the_transformers_path_does(real_model, fp32_run):
+    """A fresh prompt of 600 tokens on an engine with prefill_chunk_size 200 (B = 64, slack 32, blocks of 32):
+    vLLM prefills it 200 tokens a step, runs a round before every chunk that finds it at budget + slack, and holds
+    at most ceil((B + 200) / 32) blocks, within the bound ceil((B + slack + 200) / 32); no request of the run is
+    ever given more than 200 prefill tokens in one step, and the engine's statistics report the same peak. Replayed
+    through trikv's transformers cache in vLLM's own chunks, every round keeps the same set and every teacher-forced
+    token is vLLM's."""
+    model, _ = real_model
+    (request,) = fp32_run["batches"][4]["requests"]
+    prompt_length = len(request["prompt"])
+    steps = _steps_of(fp32_run, 4, request["request_id"])
+    chunks = _prefill_chunks(steps, prompt_length)
+    assert [stop - start for start, stop in chunks] == [CHUNK] * (LONG_FP32_PROMPT // CHUNK)
+    assert all(count <= CHUNK for _, count, _, _ in _all_steps(fp32_run))
+    rounds = _rounds_of(fp32_run, request["request_id"])
+    between = [r for r in rounds if r["position"] < prompt_length]
+    # every chunk takes the request past budget + slack, so a round runs before each chunk after the first, over
+    # the chunk before it and what the round before kept
+    assert [r["position"] for r in between] == [start for start, _ in chunks[1:]]
+    assert [r["length"] for r in between] == [CHUNK] + [BUDGET + CHUNK] * (len(chunks) - 2)
+    peak = max(held for _, _, held, _ in steps)
+    assert peak == math.ceil((BUDGET + CHUNK) / BLOCK) <= math.ceil((BUDGET + SLACK + CHUNK) / BLOCK)
+    assert fp32_run["stats"][0]["max_request_blocks"] == peak  # the longest request of the run holds the most
+    report = replay(model, "triattention", request, rounds, tie=1e-3, stats=trikv.load_stats("smollm2-135m", model), chunks=chunks)
+    print(f"chunked prefill: {len(between)} rounds between {len(chunks)} chunks, {report['rounds']} rounds in all, "
+          f"{report['tied_heads']} of {report['heads']} (layer, head) sets differ by float ties; peak {peak} blocks")
+    assert report["tied_heads"] == 0 and report["predictions"] == request["tokens"]
 
 
 @pytest.mark.engines("fp32")
@@ -486,6 +557,71 @@ def test_bounded_requests_fit_four_times_more(engine_runs):
     assert all(len(r["tokens"]) == new_tokens for r in run["batches"][0]["requests"])
 
 
+LONG_CONTEXT, LONG_PROMPT, LONG_NEW_TOKENS = 8192, 8000, 64  # SmolLM2's trained length
+LONG_BUDGET, LONG_POOL, LONG_BLOCK = 256, 16, 128  # the CPU build's blocks of 128: a pool of 2,048 tokens, 1,920 usable
+FULL_REFUSED, FULL_CAPPED = 2000, 1890  # full-attention prompts: one that cannot fit the pool, one that can
+
+
+@scenario("long-context")
+def _long_context(request, prompts):
+    """An engine whose pool (16 blocks of 128) is a quarter of max_model_len (8192), with trikv's defaults besides the
+    budget (divide_length 128, prefill_chunk_size 512) and the model's own dtype: an 8,000-token prompt, then two
+    full-attention requests sent past the front end's checks, one whose prompt does not fit the pool and one whose
+    output would outgrow it."""
+    ids = request.getfixturevalue("long_ids")
+    full = [{"trikv_budget": "full"}] * 2
+    return {"dtype": "auto",
+            "trikv": {"method": "triattention", "budget": LONG_BUDGET, "stats": "smollm2-135m", "allow_full_requests": True,
+                      "record_rounds": True},
+            "engine": {"num_gpu_blocks_override": LONG_POOL, "gpu_memory_utilization": 0.5, "max_model_len": LONG_CONTEXT,
+                       "block_size": None},
+            "schedule_records": True,
+            "batches": [{"prompts": [ids[:LONG_PROMPT]], "max_tokens": LONG_NEW_TOKENS},
+                        {"prompts": [ids[:FULL_REFUSED], ids[:FULL_CAPPED]], "max_tokens": 64, "extra_args": full,
+                         "frontend_checks": False}]}
+
+
+@pytest.mark.engines("long-context")
+def test_long_prompt_on_a_pool_smaller_than_max_model_len(engine_runs):
+    """The engine starts with a pool of 2,048 tokens for max_model_len 8192 (plain vLLM refuses it:
+    test_a_pool_smaller_than_max_model_len_starts_with_trikv_only) and answers an 8,000-token prompt with its 64
+    tokens: the prompt is prefilled 512 tokens a step with a round before every chunk, so the request's blocks
+    follow the rule step by step (budget after a round, plus the chunk) and never pass ceil((256 + 128 + 512) / 128)
+    = 7; the engine's statistics report the same peak and every block is back at the end. A full-attention request
+    whose prompt and first token need more than the pool's 15 usable blocks finishes at once with the reason; one
+    whose output would outgrow the pool stops where it is full, with finish_reason "length"."""
+    from trikv.settings import DEFAULT_DIVIDE_LENGTH, DEFAULT_PREFILL_CHUNK_SIZE
+
+    slack, chunk = int(DEFAULT_DIVIDE_LENGTH), DEFAULT_PREFILL_CHUNK_SIZE
+    run = engine_run(engine_runs, "long-context")
+    (request,) = run["batches"][0]["requests"]
+    assert request["finish_reason"] == "length" and len(request["tokens"]) == LONG_NEW_TOKENS
+    steps = _steps_of(run, 0, request["request_id"])
+    chunks = _prefill_chunks(steps, LONG_PROMPT)
+    assert [stop - start for start, stop in chunks] == [chunk] * (LONG_PROMPT // chunk) + [LONG_PROMPT % chunk]
+    expected, length = [], 0  # the rule, step by step: a round first when the request is at budget + slack
+    for start, stop in chunks:
+        length = (LONG_BUDGET if length >= LONG_BUDGET + slack else length) + stop - start
+        expected.append(math.ceil(length / LONG_BLOCK))
+    held = [blocks for start, _, blocks, _ in steps if start < LONG_PROMPT]
+    assert held == expected
+    bound = math.ceil((LONG_BUDGET + slack + chunk) / LONG_BLOCK)
+    assert max(blocks for _, _, blocks, _ in steps) == max(expected) <= bound == 7
+    assert run["stats"][0]["max_request_blocks"] == max(expected)
+    rounds = _rounds_of(run, request["request_id"])
+    assert [r["position"] for r in rounds] == [start for start, _ in chunks[1:]] + [LONG_PROMPT]
+    assert all(r["length"] <= LONG_BUDGET + slack + chunk for r in rounds)
+    assert run["free_blocks_at_end"] == LONG_POOL - 1
+    refused, capped = run["batches"][1]["requests"]
+    usable_tokens = (LONG_POOL - 1) * LONG_BLOCK
+    assert refused["finish_reason"] == "error" and refused["tokens"] == []
+    assert (f"of {FULL_REFUSED} prompt tokens does not fit this server's KV pool, which holds at most {usable_tokens} tokens"
+            in refused["stop_reason"])
+    assert capped["finish_reason"] == "length" and len(capped["tokens"]) == usable_tokens - FULL_CAPPED
+    print(f"8,000-token prompt on a pool of {LONG_POOL} blocks: {run['batches'][0]['seconds']:.1f} s "
+          f"({len(rounds)} rounds, peak {max(expected)} blocks of the bound {bound}); engine start {run['startup_seconds']:.1f} s")
+
+
 SPREAD_BUDGET, SPREAD_LIMIT = 32, 2
 
 
@@ -517,7 +653,7 @@ def test_rounds_due_together_are_spread_over_steps(engine_runs):
     assert len(set(firsts.values())) >= 4  # the first rounds, all due at one step, started over four steps
 
 
-STRESS_POOL, STRESS_NEW_TOKENS = 10, 120
+STRESS_POOL, STRESS_NEW_TOKENS, STRESS_STEP_TOKENS = 10, 120, 64
 
 
 @scenario("stress")
@@ -526,7 +662,8 @@ def _stress(request, prompts):
     requests = [(text_ids[i * 7 :] + text_ids[: i * 7])[: 20 if i < 6 else 150] for i in range(8)]
     return {"dtype": "float32", "trikv": _trikv_settings(),
             "engine": {"num_gpu_blocks_override": STRESS_POOL, "max_model_len": 288, "max_num_seqs": 8,
-                       "enable_chunked_prefill": True, "max_num_batched_tokens": 64},
+                       "enable_chunked_prefill": True, "max_num_batched_tokens": STRESS_STEP_TOKENS},
+            "schedule_records": True,
             # the second batch's step tells the workers which requests of the first one ended
             "batches": [{"prompts": requests, "max_tokens": STRESS_NEW_TOKENS, "abort": {"after_steps": 30, "requests": [1, 4]}},
                         {"prompts": [requests[0][:5]], "max_tokens": 2}]}
@@ -535,36 +672,47 @@ def _stress(request, prompts):
 @pytest.mark.engines("stress")
 def test_chunked_prefill_preemption_and_abort_keep_working(real_model, engine_runs):
     """Six short prompts that outgrow a small pool as they decode (vLLM preempts and recomputes), two prompts longer
-    than budget + slack prefilled in chunks of 64 tokens, and two requests aborted mid-generation: every other
-    request ends with all its tokens; a chunked prefill never preempted keeps what the transformers path keeps and
-    emits its tokens; a request resumed after a round is compacted afresh from its recomputed entries; every block
-    is back in the pool at the end."""
+    than budget + slack prefilled in chunks of at most 64 tokens (the engine's token budget per step, shared) with
+    rounds between them, and two requests aborted mid-generation: every other request ends with all its tokens; no
+    request ever holds more blocks than budget + slack + one chunk; a chunked prefill never preempted keeps what the
+    transformers path keeps for vLLM's chunks and emits its tokens; a request resumed after a preemption is
+    compacted afresh from its recomputed entries; every block is back in the pool at the end."""
     model, _ = real_model
     pool, new_tokens = STRESS_POOL, STRESS_NEW_TOKENS
+    bound = BUDGET + SLACK + STRESS_STEP_TOKENS
     run = engine_run(engine_runs, "stress")
     assert run["stats"][0]["preemptions"] > 0, "the pool was large enough: nothing was preempted"
     # no per-request state outlives its request (finished, aborted or preempted): a long-running server stays bounded
     assert run["stats"][0]["compacted_running"] == [] and run["stats"][0]["compacted_requests"] >= 6
     assert run["free_blocks_at_end"] == pool - 1  # finished, aborted and preempted requests returned every block
+    assert 0 < run["stats"][0]["max_request_blocks"] <= math.ceil(bound / BLOCK)
     stats = trikv.load_stats("smollm2-135m", model)
     replayed, resumed = [], []
+    assert all(held <= math.ceil(bound / BLOCK) for _, _, held, _ in _all_steps(run))
     for index, request in enumerate(run["batches"][0]["requests"]):
+        steps = _steps_of(run, 0, request["request_id"])
         if request["aborted"]:
             assert 0 < len(request["tokens"] or []) < new_tokens, "abort after 30 steps: mid-generation"
             continue
         assert len(request["tokens"]) == new_tokens
         rounds = _rounds_of(run, request["request_id"])
-        assert rounds and all(len(r["kept_positions"][0][0]) == BUDGET for r in rounds)
-        # never preempted: every round at budget + slack, except a long prompt's first, right after its (chunked)
-        # prefill; a preempted request starts over from its prompt and output so far, and its first round after the
-        # recompute compacts all of those entries
-        after_prefill = rounds[0]["position"] == len(request["prompt"]) > BUDGET + SLACK
-        regular = all(r["length"] == BUDGET + SLACK for r in rounds[1 if after_prefill else 0 :])
-        if not regular:
+        assert rounds and all(len(r["kept_positions"][0][0]) == BUDGET and r["length"] < bound for r in rounds)
+        # the first round of a request, and of its recompute after a preemption (a step that starts over), compacts
+        # all it has computed so far: the offset of the step after it is that history less the budget
+        restarts = [i for i in range(1, len(steps)) if steps[i][0] < steps[i - 1][0] + steps[i - 1][1]]
+        for first, end in zip([0, *restarts], [*restarts, len(steps)]):
+            compacted = [(start, offset) for start, _, _, offset in steps[first:end] if offset > 0]
+            assert not compacted or compacted[0][1] == compacted[0][0] - BUDGET, steps[first:end]
+        if restarts:
             resumed.append(index)
-            assert all(r["length"] == r["position"] for r in rounds if r["length"] > BUDGET + SLACK)
-        elif after_prefill:  # the chunked prefills: replayed through the transformers path (the short ones run as elsewhere)
-            report = replay(model, "triattention", request, rounds, tie=1e-3, stats=stats)
+            continue
+        prompt_length = len(request["prompt"])
+        # decoding, every round at budget + slack; while prefilling, before chunks and after the last one
+        assert all(r["length"] == BUDGET + SLACK for r in rounds if r["position"] > prompt_length)
+        if prompt_length > BUDGET + SLACK:  # the chunked prefills: replayed through the transformers path in vLLM's chunks
+            chunks = _prefill_chunks(steps, prompt_length)
+            assert len(chunks) > 2 and [r["position"] for r in rounds if r["position"] < prompt_length]
+            report = replay(model, "triattention", request, rounds, tie=1e-3, stats=stats, chunks=chunks)
             assert report["predictions"] == request["tokens"]
             replayed.append(index)
     print(f"stress: replayed {replayed}, resumed after a preemption {resumed}, {run['stats'][0]['preemptions']} preemptions")
@@ -695,8 +843,10 @@ def _free_port() -> int:
 
 def test_http_server_streams_a_chat_completion_with_the_bounded_cache(tmp_path):
     """`trikv serve` streams a chat completion with the bounded cache; over the official `openai` client a request
-    chooses its own budget within the server's limits, and a budget outside them, full attention on a server that
-    does not allow it, and beam search get HTTP 400 with the reason; a short soak leaves no per-request state."""
+    chooses its own budget within the server's limits, and a budget outside them and beam search get HTTP 400 with
+    the reason. The server's pool (48 blocks of 32) is smaller than its max_model_len (2048): a full-attention request
+    whose prompt the pool cannot hold gets HTTP 400 with the reason, a shorter one is served, GET /trikv/stats reports
+    the most blocks a bounded request held (within its bound); a short soak leaves no per-request state."""
     import time
     import urllib.request
 
@@ -707,8 +857,9 @@ def test_http_server_streams_a_chat_completion_with_the_bounded_cache(tmp_path):
     port = _free_port()
     log_path = tmp_path / "server.log"
     command = [sys.executable, "-m", "trikv.cli", "serve", "--budget", str(BUDGET), "--divide-length", str(SLACK), "--port", str(port),
-               "--max-request-budget", "96",
-               "--", "--dtype", "float32", "--max-model-len", "1024", "--block-size", str(BLOCK), "--enforce-eager"]
+               "--max-request-budget", "96", "--allow-full-requests",
+               "--", "--dtype", "float32", "--max-model-len", "2048", "--block-size", str(BLOCK), "--enforce-eager",
+               "--num-gpu-blocks-override", "48"]
     with open(log_path, "w") as log:
         server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
                                   start_new_session=True)
@@ -747,7 +898,6 @@ def test_http_server_streams_a_chat_completion_with_the_bounded_cache(tmp_path):
         assert "-> 40 entries per KV head" in log_path.read_text()  # its own budget, below the server's
         refusals = {"outside this server's limits [16, 96]": {"vllm_xargs": {"trikv_budget": 500}},
                     "must be an integer number of KV entries": {"vllm_xargs": {"trikv_budget": "lots"}},
-                    "does not run requests with full attention": {"vllm_xargs": {"trikv_budget": "full"}},
                     "beam search is not supported": {"use_beam_search": True, "n": 2},
                     # JSON true (which vLLM's request model would take as 1), a misspelt key, a budget under the
                     # minimum, trikv settings beside vllm_xargs instead of inside it
@@ -760,8 +910,20 @@ def test_http_server_streams_a_chat_completion_with_the_bounded_cache(tmp_path):
             with pytest.raises(openai.BadRequestError) as refused:
                 client.chat.completions.create(**chat, extra_body=extra_body)
             assert refused.value.status_code == 400 and reason in str(refused.value), str(refused.value)
+        # full attention holds its whole sequence: 47 usable blocks of 32 hold 1,504 tokens of one request
+        full = {"vllm_xargs": {"trikv_budget": "full"}}
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.completions.create(model="smollm2-135m", prompt=list(range(1000, 2600)), max_tokens=5, extra_body=full)
+        assert refused.value.status_code == 400, str(refused.value)
+        assert ("of 1600 prompt tokens does not fit this server's KV pool, which holds at most 1504 tokens"
+                in str(refused.value)), str(refused.value)
+        assert client.completions.create(model="smollm2-135m", prompt=list(range(1000, 1500)), max_tokens=5,
+                                         extra_body=full).usage.completion_tokens <= 5
         assert server.poll() is None  # refusals leave the server serving
         assert client.chat.completions.create(**{**chat, "max_tokens": 5}).usage.completion_tokens <= 5
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/trikv/stats", timeout=30) as response:
+            (stats,) = json.loads(response.read())
+        assert 0 < stats["max_request_blocks"] <= math.ceil((96 + SLACK + 512) / BLOCK)  # at the largest request budget
 
         # `trikv bench soak` in short against this server: mixed prompt and output lengths, a third of the requests
         # closed by the client mid-stream; afterwards GET /trikv/stats shows no per-request state left, every other
@@ -848,6 +1010,8 @@ def test_request_budget_limits_and_refusals():
     assert processor.process_inputs("ok", prompt, SamplingParams(max_tokens=4, extra_args={"trikv_budget": 32}), ("generate",))
     with pytest.raises(VLLMValidationError, match="outside this server's limits"):
         processor.process_inputs("big", prompt, SamplingParams(max_tokens=4, extra_args={"trikv_budget": 65}), ("generate",))
+    with pytest.raises(VLLMValidationError, match="does not run requests with full attention"):
+        processor.process_inputs("full", prompt, SamplingParams(max_tokens=4, extra_args={"trikv_budget": "full"}), ("generate",))
     with pytest.raises(VLLMValidationError, match="streaming-input sessions"):
         processor.process_inputs("stream", prompt, SamplingParams(max_tokens=4), ("generate",), resumable=True)
     with pytest.raises(VLLMValidationError, match="beam search is not supported"):
@@ -855,6 +1019,130 @@ def test_request_budget_limits_and_refusals():
     plain = InputProcessor(_engine_config())  # an engine without trikv settings is not affected
     assert plain.process_inputs("plain", prompt, SamplingParams(max_tokens=4, extra_args={"trikv_budget": 10**6}), ("generate",))
     plain.resolve_watermarking(BeamSearchParams(beam_width=2, max_tokens=4))
+
+
+def test_a_pool_smaller_than_max_model_len_starts_with_trikv_only():
+    """vLLM's start-up check (`get_kv_cache_configs`, on the specs the workers report) for SmolLM2's 30 layers, a pool
+    of 16 blocks of 128 and max_model_len 8192: plain vLLM refuses it with its own message; the specs trikv's worker
+    reports (`bounded_kv_cache_specs`) count one request at trikv's bound, budget 256 + divide_length 128 + prefill
+    chunk 512 = 896 tokens = 7 blocks, so the same pool is accepted. The spec survives vLLM's grouping (one group,
+    its class kept) and pickling (how it reaches the engine core), an engine without trikv settings keeps vLLM's own
+    count, and other kinds of spec are left as they are."""
+    import pickle
+
+    from vllm import EngineArgs
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    from trikv.models import resolve_model_path
+    from trikv.vllm import engine_args
+    from trikv.vllm.capacity import BoundedFullAttentionSpec, bounded_kv_cache_specs
+
+    def config(**extra):
+        built = EngineArgs(model=resolve_model_path("smollm2-135m"), max_model_len=8192, num_gpu_blocks_override=16,
+                           gpu_memory_utilization=0.5, enforce_eager=True, block_size=128, **extra).create_engine_config()
+        built.cache_config.kv_cache_layout = "LBNHC"  # the engine core resolves it from its workers' backends
+        return built
+
+    spec = FullAttentionSpec(block_size=128, num_kv_heads=3, head_size=64, dtype=torch.bfloat16)
+    specs = {f"model.layers.{index}.self_attn.attn": spec for index in range(30)}
+    plain = config()
+    with pytest.raises(ValueError, match=r"To serve at least one request with the model's max seq len \(8192\)"):
+        get_kv_cache_configs(plain, [specs], [2**30])
+    bounded_config = config(**engine_args(method="triattention", budget=256, stats="smollm2-135m"))
+    bounded = bounded_kv_cache_specs(specs)
+    (kv_config,) = get_kv_cache_configs(bounded_config, [bounded], [2**30])
+    (group,) = kv_config.kv_cache_groups
+    assert kv_config.num_blocks == 16 and len(group.layer_names) == 30
+    assert type(group.kv_cache_spec) is BoundedFullAttentionSpec
+    assert group.kv_cache_spec.max_memory_usage_bytes(bounded_config) == 7 * spec.page_size_bytes
+    assert group.kv_cache_spec.max_memory_usage_bytes(plain) == 8192 // 128 * spec.page_size_bytes
+    one = bounded["model.layers.0.self_attn.attn"]
+    again = pickle.loads(pickle.dumps(one))
+    assert type(again) is BoundedFullAttentionSpec and again == one and again != spec
+    sliding = SlidingWindowSpec(block_size=128, num_kv_heads=3, head_size=64, dtype=torch.bfloat16, sliding_window=512)
+    assert bounded_kv_cache_specs({"sliding": sliding})["sliding"] is sliding
+
+
+def test_a_request_bound_counts_budget_slack_and_one_chunk():
+    """The bound every part of the engine reads: budget + divide_length + one prefill chunk (vLLM's own per-step token
+    cap where smaller), one more block with max_rounds_per_step (a due round may wait that long), at most
+    max_model_len; prefill_chunk_size is validated with the other cache settings and reaches vLLM's configuration."""
+    from types import SimpleNamespace
+
+    from trikv.settings import DEFAULT_PREFILL_CHUNK_SIZE
+    from trikv.vllm import BoundedKVSettings, SettingsError, engine_args
+    from trikv.vllm.capacity import request_bound
+
+    settings = BoundedKVSettings(method="streaming", budget=64, divide_length=32, prefill_chunk_size=200, max_request_budget=96)
+    assert settings.peak_entries(64, 32, 4096) == 296 and settings.peak_entries(48, 32, 100) == 180
+    # the scheduler compacts at the trigger the bound starts from
+    assert settings.round_trigger(48) == 80 and settings.peak_entries(48, 32, 4096) == settings.round_trigger(48) + 200
+    assert settings.largest_request_budget == 96
+    late = BoundedKVSettings(method="streaming", budget=64, divide_length=32, prefill_chunk_size=200, max_rounds_per_step=2)
+    assert late.peak_entries(64, 32, 4096) == 296 + 32
+
+    def vllm_config(max_model_len, batched, scheduled=None):
+        return SimpleNamespace(model_config=SimpleNamespace(max_model_len=max_model_len),
+                               scheduler_config=SimpleNamespace(max_num_batched_tokens=batched, max_num_scheduled_tokens=scheduled))
+
+    assert request_bound(settings, 64, 32, vllm_config(8192, 2048)) == 296
+    assert request_bound(settings, 64, 32, vllm_config(8192, 2048, scheduled=64)) == 160
+    assert request_bound(settings, 64, 32, vllm_config(256, 2048)) == 256
+    assert BoundedKVSettings(method="streaming", budget=64).prefill_chunk_size == DEFAULT_PREFILL_CHUNK_SIZE == 512
+    for bad in (1, 0, True, 2.5, "512"):
+        with pytest.raises(SettingsError, match=f"prefill_chunk_size must be an integer >= 2, got {bad!r}"):
+            BoundedKVSettings(method="streaming", budget=64, prefill_chunk_size=bad)
+    with pytest.raises(SettingsError, match="prefill_chunk_size must be an integer >= 2, got 1"):
+        engine_args(method="streaming", budget=64, prefill_chunk_size=1)
+    args = engine_args(method="streaming", budget=64, prefill_chunk_size=256)
+    assert args["additional_config"]["trikv"]["prefill_chunk_size"] == 256
+
+
+def test_trikv_serve_and_vllm_args_take_the_prefill_chunk_size(capsys):
+    import argparse
+
+    from trikv.vllm import SettingsError
+    from trikv.vllm.cli import add_vllm_commands
+
+    parser = argparse.ArgumentParser()
+    add_vllm_commands(parser.add_subparsers())
+    args = parser.parse_args(["vllm-args", "--method", "streaming", "--budget", "64", "--prefill-chunk-size", "256"])
+    assert args.func(args) == 0
+    assert '"prefill_chunk_size": 256' in capsys.readouterr().out
+    args = parser.parse_args(["serve", "--budget", "64", "--prefill-chunk-size", "128", "--dry-run"])
+    assert args.func(args) == 0
+    assert '"prefill_chunk_size": 128' in capsys.readouterr().out
+    args = parser.parse_args(["vllm-args", "--method", "streaming", "--budget", "64", "--prefill-chunk-size", "1"])
+    with pytest.raises(SettingsError, match="prefill_chunk_size must be an integer >= 2, got 1"):
+        args.func(args)
+
+
+def test_a_full_attention_request_the_pool_cannot_hold_is_refused_in_the_front_end():
+    """Through vLLM's own InputProcessor, as the API server runs it, once the engine reported its pool (5 blocks of
+    32, one kept back by vLLM: 128 tokens): a full-attention request whose prompt and first token need more is
+    refused with the reason (HTTP 400), one that fits passes, and bounded requests of any length within
+    max_model_len pass (they never hold more than their bound); before the pool is known nothing is refused."""
+    from vllm import SamplingParams
+    from vllm.exceptions import VLLMValidationError
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    from trikv.vllm import engine_args
+
+    processor = InputProcessor(_engine_config(**engine_args(method="knorm", budget=64, allow_full_requests=True)))
+    full = SamplingParams(max_tokens=4, extra_args={"trikv_budget": "full"})
+
+    def prompt(length):
+        return {"type": "token", "prompt_token_ids": list(range(1, length + 1))}
+
+    assert processor.process_inputs("unknown pool", prompt(500), full, ("generate",))
+    processor.vllm_config.cache_config.num_gpu_blocks = 5
+    assert processor.process_inputs("fits", prompt(127), full, ("generate",))
+    with pytest.raises(VLLMValidationError, match="of 128 prompt tokens does not fit this server's KV pool, which holds at "
+                                                  "most 128 tokens") as refused:
+        processor.process_inputs("too long", prompt(128), full, ("generate",))
+    assert "shorten the prompt to at most 127 tokens" in str(refused.value)
+    assert processor.process_inputs("bounded", prompt(1000), SamplingParams(max_tokens=4), ("generate",))
 
 
 def test_served_methods_declare_row_independent_scores(monkeypatch):

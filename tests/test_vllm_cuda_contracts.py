@@ -8,7 +8,9 @@ round on the meta device, which has shapes but no data and takes CUDA's code pat
 - the V2 model runner (0.32's CUDA default) is deselected in the environment the engine processes inherit;
 - a round's host-device synchronisations: none, whatever the number of due requests and layers, and one queued
   upload;
-- refusals at start-up (no chunked prefill, no front-end checks) and of malformed request settings.
+- refusals at start-up (no chunked prefill, no front-end checks) and of malformed request settings;
+- the per-request prefill cap sits in vLLM's last per-request cap on a step's tokens, which both of the scheduler's
+  loops (running and waiting requests) call before allocating blocks.
 """
 
 from __future__ import annotations
@@ -203,14 +205,37 @@ def test_engine_args_select_the_v1_runner_and_refuse_a_v2_choice(no_runner_choic
 
 # ---- other start-up refusals ------------------------------------------------------------------------------
 def test_an_engine_without_chunked_prefill_is_refused():
-    """Without chunked prefill vLLM recomputes a preempted request in one prefill of its whole history, which a
-    bounded request would hold at once: refused with the reason (with it, the recompute is compacted between chunks:
+    """trikv prefills a long prompt (and a preempted request's history) in chunks compacted between them; vLLM
+    without chunked prefill would run it in one prefill, which a bounded request would hold at once: refused with
+    the reason (with it: test_long_prompt_on_a_pool_smaller_than_max_model_len,
     test_preempted_request_recomputes_within_its_bound_without_holding_others)."""
     args = engine_args(method="streaming", budget=64)
     settings = BoundedKVSettings.from_config(args["additional_config"])
     check_engine_config(_engine_config(**args), settings)  # vLLM's default: chunked prefill on
-    with pytest.raises(UnsupportedEngineError, match="chunked prefill is off: a preempted request would be recomputed"):
+    with pytest.raises(UnsupportedEngineError, match="chunked prefill is off: trikv prefills a long prompt"):
         check_engine_config(_engine_config(**{**args, "enable_chunked_prefill": False}), settings)
+
+
+def test_the_prefill_chunk_cap_sits_where_both_scheduling_loops_read_it():
+    """trikv caps a bounded request's prefill per step in `Scheduler._reserve_prefill_lookahead`, vLLM 0.32's last cap
+    on a request's new tokens: `schedule` calls it for the running and for the waiting requests, each time after every
+    other cap (the long-prefill threshold, the token budget) and before the step's blocks are allocated, so the capped
+    count is the one the request is allocated and scheduled for."""
+    import inspect
+
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from trikv.vllm.scheduler import TriKVScheduler
+
+    source = inspect.getsource(Scheduler.schedule)
+    calls = [index for index in range(len(source)) if source.startswith("num_new_tokens = self._reserve_prefill_lookahead(", index)]
+    assert len(calls) == 2
+    for call, end in zip(calls, calls[1:] + [len(source)]):
+        before, after = source[:call], source[call:end]
+        assert before.rfind("long_prefill_token_threshold < num_new_tokens") > before.rfind("self._reserve_prefill_lookahead(")
+        assert "self.kv_cache_manager.allocate_slots(" in after
+        assert "num_new_tokens = min(" not in after.split("allocate_slots(")[0]
+    assert "_reserve_prefill_lookahead" in TriKVScheduler.__dict__
 
 
 def test_async_scheduling_and_missing_front_end_checks_are_refused(monkeypatch):

@@ -13,9 +13,11 @@ steps the engine by hand, "max_steps" (default 5000) then bounds the steps: a st
 "frontend_checks": false sends the batch through `LLM.generate` without trikv's front-end checks (what reaches the
 engine is then the engine's to refuse); "resumable": true adds each prompt as a streaming-input session, straight
 to the engine}], "probe": true (in-process) records, at every step with rounds, what the runner's persistent
-buffers hold (`vllm_probe.py`)}. RESULT: per batch the prompt, generated token ids, finish and stop reasons of
-every request, then every rank's round records and statistics (in-process: the pool's free blocks at the end; with
-"probe": the probe's findings).
+buffers hold (`vllm_probe.py`), "schedule_records": true (in-process, trikv) records every step's schedule}.
+RESULT: per batch the prompt, generated token ids, finish and stop reasons of every request (with
+"schedule_records", the batch's steps: {request id: [first token computed, tokens scheduled, full-attention blocks
+it holds for the step, its offset (logical - physical tokens) for the step]} per step), then every rank's round
+records and statistics (in-process: the pool's free blocks at the end; with "probe": the probe's findings).
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ def run(spec: dict) -> dict:
         import vllm_probe
 
         llm.collective_rpc(vllm_probe.install)
+    steps = _record_schedules(llm) if spec.get("schedule_records") else None
     for batch in spec["batches"]:
         params = [SamplingParams(max_tokens=count, min_tokens=batch.get("min_tokens", count), temperature=0.0, ignore_eos=True)
                   for count in (batch["max_tokens"] if isinstance(batch["max_tokens"], list) else [batch["max_tokens"]] * len(batch["prompts"]))]
@@ -89,6 +92,9 @@ def run(spec: dict) -> dict:
                          "finish_reason": out.outputs[0].finish_reason, "stop_reason": out.outputs[0].stop_reason}
                         for out in outputs]
         result["batches"].append({"seconds": time.perf_counter() - started, "requests": requests})
+        if steps is not None:  # request ids restart with every batch: each keeps its own steps
+            result["batches"][-1]["schedule"] = list(steps)
+            steps.clear()
     if in_process:  # every block back in the pool once all requests ended (finished, aborted or preempted)
         result["free_blocks_at_end"] = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
     if spec.get("probe"):
@@ -100,6 +106,25 @@ def run(spec: dict) -> dict:
         result["stats"] = llm.collective_rpc("trikv_stats")
     shut_down(llm, in_process)  # the next engine may be built in this interpreter
     return result
+
+
+def _record_schedules(llm) -> list[dict]:
+    """Record, at every step the scheduler plans, each scheduled request's chunk ([first token computed, tokens
+    scheduled]), the blocks of the full-attention group it holds for that step and its offset, read from the
+    scheduler's own bookkeeping once the step is planned (vLLM has then counted the step's tokens as computed)."""
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    schedule, steps = scheduler.schedule, []
+
+    def recorded(*args, **kwargs):
+        output = schedule(*args, **kwargs)
+        blocks = scheduler._trikv_manager.req_to_blocks
+        steps.append({request_id: [scheduler.requests[request_id].num_computed_tokens - count, count,
+                                   len(blocks.get(request_id, ())), scheduler.trikv_offsets.get(request_id, 0)]
+                      for request_id, count in output.num_scheduled_tokens.items()})
+        return output
+
+    scheduler.schedule = recorded
+    return steps
 
 
 def _step_by_hand(llm, batch: dict, params: list, TokensPrompt) -> list[dict]:

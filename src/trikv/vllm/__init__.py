@@ -11,7 +11,11 @@ Server: `vllm serve MODEL $(trikv vllm-args --method triattention --budget 512 -
 statistics).
 
 Everything goes through vLLM's own extension points: a scheduler class (`scheduler_cls`), a worker class
-(`worker_cls`) and the settings in `additional_config["trikv"]`. Without them vLLM runs untouched. Methods:
+(`worker_cls`) and the settings in `additional_config["trikv"]`. Without them vLLM runs untouched. A bounded
+request holds at most budget + divide_length + one prefill chunk of KV whatever its length (long prompts are
+prefilled in chunks of `prefill_chunk_size`, compacted between them), so the KV pool need only hold that much
+per request: an engine whose pool is smaller than max_model_len starts and serves prompts up to max_model_len
+(`capacity.py`). Methods:
 `trikv.vllm.serving_methods()` (TriAttention and its ablations, StreamingLLM, Knorm). Supported vLLM:
 `SUPPORTED_VLLM`; see `support.py` for the features that are refused.
 
@@ -33,7 +37,7 @@ import json
 import os
 import shlex
 
-from ..settings import DEFAULT_BUDGET, DEFAULT_DIVIDE_LENGTH, DEFAULT_METHOD, DEFAULT_MIN_DECODE_ROOM
+from ..settings import DEFAULT_BUDGET, DEFAULT_DIVIDE_LENGTH, DEFAULT_METHOD, DEFAULT_MIN_DECODE_ROOM, DEFAULT_PREFILL_CHUNK_SIZE
 
 # public name -> submodule, imported on first use: `import trikv.vllm` (and the `trikv` command's parser) stays
 # light; vLLM and torch load when an engine is configured
@@ -63,14 +67,18 @@ def engine_args(
     stats: str | None = None,
     protect_prompt: bool = True,
     min_decode_room: int = DEFAULT_MIN_DECODE_ROOM,
+    prefill_chunk_size: int = DEFAULT_PREFILL_CHUNK_SIZE,
     model: str | None = None,
     compilation_config: dict | None = None,
     **options,
 ) -> dict:
     """Keyword arguments for `vllm.LLM(...)` / `vllm.EngineArgs(...)` that bound every request's KV cache.
 
-    method / budget / divide_length / stats / protect_prompt / min_decode_room: as in trikv's transformers
-    caches (`stats`: bundled name or path, for methods that need statistics). `model`: when given, the
+    method / budget / divide_length / stats / protect_prompt / min_decode_room / prefill_chunk_size: as in trikv's
+    transformers caches (`stats`: bundled name or path, for methods that need statistics; a request whose prefill
+    would take it past budget + divide_length is prefilled at most `prefill_chunk_size` tokens per step, compacted
+    between chunks, so it never holds more than budget + divide_length + prefill_chunk_size entries and vLLM's
+    pool need only hold that much per request, not max_model_len). `model`: when given, the
     model's config is checked here, before vLLM starts (family, statistics' shape and RoPE). Other keyword
     arguments are method options (e.g. `recent_window=8`) or the trikv settings `allow_untested_platform`,
     `record_rounds`, `round_workspace_bytes`, `max_request_budget`, `allow_full_requests` and
@@ -95,7 +103,8 @@ def engine_args(
                      "max_rounds_per_step")
     extra = {name: options.pop(name) for name in settings_only if name in options}
     settings = BoundedKVSettings(method=method, budget=budget, divide_length=divide_length, stats=stats,
-                                 protect_prompt=protect_prompt, min_decode_room=min_decode_room, options=options, **extra)
+                                 protect_prompt=protect_prompt, min_decode_room=min_decode_room,
+                                 prefill_chunk_size=prefill_chunk_size, options=options, **extra)
     if model is not None:
         from transformers import AutoConfig
 

@@ -7,7 +7,7 @@ import os
 import shlex
 import sys
 
-from ..settings import DEFAULT_BUDGET, DEFAULT_DIVIDE_LENGTH, DEFAULT_METHOD
+from ..settings import DEFAULT_BUDGET, DEFAULT_DIVIDE_LENGTH, DEFAULT_METHOD, DEFAULT_PREFILL_CHUNK_SIZE
 
 
 def _add_settings(parser, default_model: str | None) -> None:
@@ -16,6 +16,10 @@ def _add_settings(parser, default_model: str | None) -> None:
                         help=f"KV entries per (layer, KV head) after a round (default {int(DEFAULT_BUDGET)})")
     parser.add_argument("--divide-length", type=int, default=int(DEFAULT_DIVIDE_LENGTH),
                         help=f"slack beta: compact at budget + beta (default {int(DEFAULT_DIVIDE_LENGTH)})")
+    parser.add_argument("--prefill-chunk-size", type=int, default=DEFAULT_PREFILL_CHUNK_SIZE,
+                        help="tokens per prefill step of a prompt longer than budget + divide-length, compacted between "
+                             "chunks: a request never holds more than budget + divide-length + this "
+                             f"(default {DEFAULT_PREFILL_CHUNK_SIZE})")
     parser.add_argument("--stats", help="statistics: bundled name or path (default: the bundled stats of --model)")
     parser.add_argument("--no-protect-prompt", action="store_true", help="let prompt tokens compete for the budget")
     parser.add_argument("--max-request-budget", type=int,
@@ -56,7 +60,8 @@ def _settings(args) -> dict:
     if args.max_rounds_per_step is not None:
         limits["max_rounds_per_step"] = args.max_rounds_per_step
     return dict(method=args.method, budget=args.budget, divide_length=args.divide_length, stats=stats,
-                protect_prompt=not args.no_protect_prompt, model=args.model, **limits, **options)
+                protect_prompt=not args.no_protect_prompt, prefill_chunk_size=args.prefill_chunk_size, model=args.model,
+                **limits, **options)
 
 
 def add_vllm_commands(sub) -> None:

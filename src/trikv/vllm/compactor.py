@@ -53,6 +53,7 @@ class StepPlan:
     offsets: dict[str, int] = field(default_factory=dict)
     running: int = 0  # requests running after this step was scheduled
     preemptions: int = 0  # preemptions since the engine started
+    request_blocks: int = 0  # the most full-attention blocks one bounded request holds for this step's forward
 
 
 @dataclass
@@ -98,7 +99,7 @@ class Compactor:
     one request a few layers at a time, else one layer a few KV heads at a time (for policies that score
     layers, or heads, on their own). Every chunk keeps exactly what one pass over all of them would keep. The
     floor is one (layer, KV head) of one request (`floor_bytes`): the worker refuses at start-up a cap below
-    the floor of a `max_model_len`-token request, so no round exceeds it.
+    the floor of a request at trikv's bound (no round sees more entries), so no round exceeds it.
     """
 
     def __init__(self, policy: Policy, protect_prompt: bool, min_decode_room: int, record: bool = False,
@@ -115,13 +116,15 @@ class Compactor:
         self.seconds = 0.0
         self.chunks = 0  # (requests x layers x heads) pieces scored, at least one per round
         self.max_running = 0
+        self.max_request_blocks = 0  # the most full-attention blocks one bounded request held in any step
         self.preemptions = 0
         self.compacted_requests = 0  # first rounds run (a count; a request compacted again after a preemption counts again)
         self._warned_prompt = False
         self._part_policies: dict[tuple[int, int, int, int], Policy] = {}
 
-    def note_step(self, running: int, preemptions: int) -> None:
+    def note_step(self, running: int, preemptions: int, request_blocks: int = 0) -> None:
         self.max_running = max(self.max_running, running)
+        self.max_request_blocks = max(self.max_request_blocks, request_blocks)
         self.preemptions = preemptions
 
     def forget(self, request_id: str) -> None:

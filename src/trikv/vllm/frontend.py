@@ -10,7 +10,13 @@ adds these checks there:
 - beam search is refused: vLLM runs it as a new one-token request per step whose prompt is the whole beam, so
   no request ever reaches a round and the beams run with full attention;
 - streaming-input sessions (resumable requests) are refused: their prompt grows after the request started,
-  which the rounds' bookkeeping (prompt length, logical offset) does not follow.
+  which the rounds' bookkeeping (prompt length, logical offset) does not follow;
+- a full-attention request (`"full"`, with `allow_full_requests`) whose prompt and first generated token need more
+  blocks than the KV pool's usable ones is refused (`capacity.full_request_refusal`): a bounded engine may run
+  with a pool smaller than max_model_len, which vLLM's own check (prompt within max_model_len) does not see. The
+  front end counts the full-attention blocks of one engine's pool (known once the engine started; with data
+  parallelism the engines' pools are summed here, so the check is left to each engine's scheduler), the
+  scheduler the blocks of every KV cache group (a hybrid model's sliding windows too) and refuses the rest.
 
 Over HTTP, before a request is turned into sampling parameters (where a JSON `true` has already become 1 and
 unknown top-level fields are dropped), the raw body is checked too: a boolean `trikv*` value in `vllm_xargs`,
@@ -61,7 +67,10 @@ def register() -> None:
         settings = _settings(self)
         if settings is not None:
             check_request(settings, params, resumable=bool(kwargs.get("resumable", False)))
-        return process_inputs(self, request_id, prompt, params, *args, **kwargs)
+        request = process_inputs(self, request_id, prompt, params, *args, **kwargs)
+        if settings is not None:  # the prompt's length is known once vLLM has rendered it
+            check_full_request_fits(settings, self.vllm_config, params, _prompt_length(request))
+        return request
 
     @functools.wraps(resolve_watermarking)
     def checked_resolve_watermarking(self, params):
@@ -91,6 +100,35 @@ def check_request(settings: BoundedKVSettings, params, resumable: bool = False) 
         settings.request_budget(extra_args)
     except RequestSettingsError as error:
         _refuse(str(error), parameter=REQUEST_BUDGET_KEY, value=(extra_args or {}).get(REQUEST_BUDGET_KEY))
+
+
+def check_full_request_fits(settings: BoundedKVSettings, vllm_config, params, prompt_tokens: int | None) -> None:
+    """Raise vLLM's validation error (HTTP 400) for a full-attention request whose prompt and first generated token
+    need more blocks than one engine's usable pool holds (nothing to check before the engine reported its pool,
+    with data parallelism, or for a bounded request)."""
+    from .capacity import full_request_refusal
+
+    cache_config = vllm_config.cache_config
+    if (prompt_tokens is None or not cache_config.num_gpu_blocks or not cache_config.block_size
+            or vllm_config.parallel_config.data_parallel_size != 1):
+        return
+    try:
+        if settings.request_budget(getattr(params, "extra_args", None)) is not None:
+            return
+    except RequestSettingsError:
+        return  # refused by check_request already
+    capacity = (cache_config.num_gpu_blocks - 1) * cache_config.block_size  # vLLM keeps one block back (its null block)
+    reason = full_request_refusal(prompt_tokens, capacity)
+    if reason is not None:
+        _refuse(reason, parameter=REQUEST_BUDGET_KEY, value="full")
+
+
+def _prompt_length(request) -> int | None:
+    ids = getattr(request, "prompt_token_ids", None)
+    if ids is not None:
+        return len(ids)
+    embeds = getattr(request, "prompt_embeds", None)
+    return None if embeds is None else len(embeds)
 
 
 def http_refusal(request, body) -> tuple[str, str] | None:

@@ -1,29 +1,35 @@
 """The scheduler half of trikv inside vLLM: decides the rounds and returns the freed blocks to the pool.
 
-Before vLLM schedules a step, every running request whose prompt is done and whose physical KV length
-reached budget + divide_length is shrunk to its first ceil(budget / block_size) blocks; the tail blocks go
-back to vLLM's block pool at once, so this very step can give them to other requests. The request's offset
-(logical tokens - physical entries) grows by what was dropped. Everything vLLM tracks stays logical (token
-ids, positions, stop checks, max_model_len); only the block allocation of the full-attention KV cache group
-sees the physical length, through wrappers around that group's manager. A hybrid model's sliding-window
-groups (Gemma-3, GPT-OSS) stay vLLM's own: logical lengths, their window's blocks. The rounds and offsets travel
-to the workers as the `trikv` attribute of the step's `SchedulerOutput`; the workers compact the KV before the
-step's forward.
+Before vLLM schedules a step, every running bounded request whose physical KV length reached budget +
+divide_length is shrunk to its first ceil(budget / block_size) blocks; the tail blocks go back to vLLM's block
+pool at once, so this very step can give them to other requests. The request's offset (logical tokens -
+physical entries) grows by what was dropped. Everything vLLM tracks stays logical (token ids, positions, stop
+checks, max_model_len); only the block allocation of the full-attention KV cache group sees the physical length,
+through wrappers around that group's manager. A hybrid model's sliding-window groups (Gemma-3, GPT-OSS) stay
+vLLM's own: logical lengths, their window's blocks. The rounds and offsets travel to the workers as the `trikv`
+attribute of the step's `SchedulerOutput`; the workers compact the KV before the step's forward.
 
-Preemption: vLLM drops a preempted request's blocks and later recomputes its whole history (prompt and output
-so far) as a prefill. With chunked prefill (vLLM's default), a bounded request's recompute has a round whenever
-it reaches budget + divide_length, between chunks, so it never holds more than budget + divide_length + one
-chunk (max_num_batched_tokens) entries, and its readmission asks for only that many blocks: a request preempted
-at 30K tokens does not wait for 30K tokens of free blocks, nor hold up the requests queued behind it. Its cache
-after the recompute is a new selection over the recomputed history (rounds at chunk boundaries rather than
-every divide_length tokens), so its later tokens can differ from an unpreempted run's. Without chunked prefill
-the recompute would be one prefill of the whole history, holding all of it: such an engine is refused at
-start-up (`check_engine_config`).
+Prefill: the rule of trikv's transformers and MLX caches. A bounded request whose prefill would take it past
+budget + divide_length gets at most `prefill_chunk_size` tokens per step (or vLLM's own per-step cap, when
+smaller), and the rounds above run between its chunks whenever it reaches budget + divide_length; a shorter
+prefill runs as vLLM schedules it and is compacted after it, if due. So no bounded request ever holds more than
+`request_bound` entries (budget + divide_length + one chunk, plus one block with `max_rounds_per_step`), whatever
+its prompt's length: it is admitted for that many blocks, not its whole prompt, and the KV spec vLLM checks its
+pool with at start-up counts a request at that bound (`capacity.py`), so a pool smaller than max_model_len serves
+prompts up to max_model_len. Engines without chunked prefill are refused at start-up (`check_engine_config`).
+
+Preemption: vLLM drops a preempted request's blocks and later recomputes its whole history (prompt and output so
+far) as a prefill, under the same rule: a request preempted at 30K tokens is readmitted for its bound, not for
+30K tokens of free blocks, and does not hold up the requests queued behind it. Its cache after the recompute is a
+new selection over the recomputed history (rounds at chunk boundaries rather than every divide_length tokens), so
+its later tokens can differ from an unpreempted run's.
 
 Requests the engine cannot serve as asked are refused here too, not only in vLLM's front end (a `vllm serve`
 without trikv's plugin, an `LLM` whose requests skip the input processor): a malformed or out-of-range
-`trikv_budget`, an unknown `trikv*` key, a streaming-input session. A refused request never runs: it finishes
-at once with finish_reason "error" and the reason as its stop_reason, and the engine keeps serving.
+`trikv_budget`, an unknown `trikv*` key, a streaming-input session, a full-attention request whose prompt does not
+fit the pool. A refused request never runs: it finishes at once with finish_reason "error" and the reason as its
+stop_reason, and the engine keeps serving. A full-attention request's output stops where the pool is full
+(finish_reason "length"), as plain vLLM stops every request at max_model_len: its max_tokens is lowered to fit.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from vllm.logger import init_logger
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
 
+from .capacity import full_request_refusal, max_step_tokens, request_bound
 from .compactor import CompactionOp, StepPlan
 from .settings import BoundedKVSettings, RequestSettingsError
 from .support import check_engine_config
@@ -57,8 +64,8 @@ def full_attention_manager(managers):
 def count_physical(manager, offsets: dict[str, int], admission_cap=lambda request_id: None) -> None:
     """Make `manager` (the full-attention group) count a compacted request's physical entries: every token count
     it is given is logical, so its offset (logical - physical) is taken off. At admission (vLLM asks whether a
-    waiting request's whole sequence fits) a request that compacts while it prefills counts at most
-    `admission_cap(request_id)` entries: what it will ever hold."""
+    waiting request's whole sequence fits) a bounded request counts at most `admission_cap(request_id)` entries:
+    what it will ever hold."""
     count = manager.get_num_blocks_to_allocate
     allocate = manager.allocate_new_blocks
 
@@ -97,30 +104,42 @@ class TriKVScheduler(Scheduler):
         self._trikv_budgets: dict[str, int | None] = {}  # request -> its budget (None: full attention)
         self._trikv_refused: list[tuple[object, str]] = []  # (request, reason) refused since the last step
         self._trikv_manager = full_attention_manager(self.kv_cache_manager.coordinator.single_type_managers)
-        # a preempted request recomputes its history in chunks of at most this many tokens, compacting as it goes
-        self._trikv_chunk = self.max_num_scheduled_tokens if self.scheduler_config.enable_chunked_prefill else None
+        self._trikv_block = self._trikv_manager.block_size
+        self._trikv_bounds: dict[int, int] = {}  # budget -> request_bound
+        self._trikv_chunk = self.trikv.prefill_step_tokens(max_step_tokens(vllm_config))  # tokens per prefill step
+        # the most tokens one full-attention request can hold in this pool (prompt and output)
+        self._trikv_full_capacity = self._largest_request_fitting(self.kv_cache_manager.block_pool.num_gpu_blocks - 1)
         count_physical(self._trikv_manager, self.trikv_offsets, self._admission_cap)
+        self._announce_capacity()
 
     def schedule(self, *args, **kwargs):
         rounds = self._start_rounds()
         output = super().schedule(*args, **kwargs)
         preempted = set(output.preempted_req_ids or ())
+        blocks = self._trikv_manager.req_to_blocks
         plan = StepPlan(
             rounds=[op for op in rounds if op.request_id not in preempted],
             offsets={rid: offset for rid, offset in self.trikv_offsets.items() if rid in output.num_scheduled_tokens},
             running=len(self.running),
             preemptions=self.trikv_preemptions,
+            request_blocks=max((len(blocks.get(r.request_id, ())) for r in self.running if self._budget_of(r) is not None),
+                               default=0),
         )
         output.trikv = plan
         return output
 
     def add_request(self, request) -> None:
         reason = self._refusal(request)
-        if reason is None:
-            super().add_request(request)
+        if reason is not None:
+            log.error("trikv: request %s refused: %s", request.request_id, reason)
+            self._trikv_refused.append((request, reason))
             return
-        log.error("trikv: request %s refused: %s", request.request_id, reason)
-        self._trikv_refused.append((request, reason))
+        fresh = request.sampling_params is not None and request.request_id not in self.requests
+        if fresh and self._budget_of(request) is None:
+            # full attention holds its whole sequence: its output stops where the pool is full ("length"), as
+            # plain vLLM's stops at max_model_len, instead of outgrowing the pool and waiting for blocks forever
+            request.max_tokens = min(request.max_tokens, self._trikv_full_capacity - request.num_prompt_tokens)
+        super().add_request(request)
 
     def _refusal(self, request) -> str | None:
         """Why this engine cannot serve `request` as asked (None when it can): the checks of trikv's front end,
@@ -131,9 +150,11 @@ class TriKVScheduler(Scheduler):
         if request.sampling_params is None:
             return None
         try:
-            self.trikv.request_budget(request.sampling_params.extra_args)
+            budget = self.trikv.request_budget(request.sampling_params.extra_args)
         except RequestSettingsError as error:
             return str(error)
+        if budget is None:
+            return full_request_refusal(request.num_prompt_tokens, self._trikv_full_capacity)
         return None
 
     def get_num_unfinished_requests(self) -> int:
@@ -164,18 +185,14 @@ class TriKVScheduler(Scheduler):
         held = {request.request_id: len(self._trikv_manager.req_to_blocks.get(request.request_id, ())) for request in self.running}
         rounds = []
         due = []  # (request, budget, physical length)
-        for request in self.running:
-            computed = request.num_computed_tokens
-            prefilling = computed < request.num_prompt_tokens or computed < request.num_tokens - 1
-            if prefilling and not self._compacts_while_prefilling(request):
-                continue  # a prompt is compacted once its prefill is done, as on the transformers path
+        for request in self.running:  # prefilling or decoding: a long prefill is compacted between its chunks
             budget = self._budget_of(request)
-            length = computed - self.trikv_offsets.get(request.request_id, 0)
-            if budget is not None and length >= budget + settings.divide_length:
+            length = request.num_computed_tokens - self.trikv_offsets.get(request.request_id, 0)
+            if budget is not None and length >= settings.round_trigger(budget):
                 due.append((request, budget, length))
         for request, budget, length in self._spread(due):
             computed = request.num_computed_tokens
-            kept_blocks = -(-budget // self.block_size)
+            kept_blocks = -(-budget // self._trikv_block)
             blocks = self._trikv_manager.req_to_blocks[request.request_id]
             tail = blocks[kept_blocks:]
             del blocks[kept_blocks:]
@@ -212,22 +229,77 @@ class TriKVScheduler(Scheduler):
         if limit is None or len(due) <= limit:
             return due
         due = sorted(due, key=lambda item: -item[2])
-        waits = [length < budget + self.trikv.divide_length + self.block_size for _, budget, length in due]
+        waits = [length < self.trikv.round_trigger(budget) + self._trikv_block for _, budget, length in due]
         must = [item for item, can_wait in zip(due, waits) if not can_wait]
         rest = [item for item, can_wait in zip(due, waits) if can_wait]
         return must + rest[: max(0, limit - len(must))]
 
-    def _compacts_while_prefilling(self, request) -> bool:
-        """A preempted bounded request recomputes its history (prompt and output so far) as a chunked prefill
-        with a round whenever it reaches budget + divide_length, so it never holds more than
-        budget + divide_length + one chunk entries and its readmission needs only that many blocks."""
-        return request.num_preemptions > 0 and self._trikv_chunk is not None and self._budget_of(request) is not None
+    def _bound(self, budget: int) -> int:
+        """The most entries a request bounded at `budget` holds (`capacity.request_bound`)."""
+        if budget not in self._trikv_bounds:
+            self._trikv_bounds[budget] = request_bound(self.trikv, budget, self._trikv_block, self.vllm_config)
+        return self._trikv_bounds[budget]
 
     def _admission_cap(self, request_id: str) -> int | None:
+        """Entries a waiting bounded request is admitted for: its bound (None for full attention: its sequence)."""
         request = self.requests.get(request_id)
-        if request is None or not self._compacts_while_prefilling(request):
-            return None
-        return self._budget_of(request) + self.trikv.divide_length + self._trikv_chunk
+        budget = None if request is None else self._budget_of(request)
+        return None if budget is None else self._bound(budget)
+
+    def _reserve_prefill_lookahead(self, request, num_computed_tokens: int, num_new_tokens: int) -> int:
+        """vLLM's last cap on a request's new tokens in a step, applied to running and waiting requests alike just
+        before their blocks are allocated; trikv caps there the prefill of a bounded request whose remaining
+        prefill would take it past budget + divide_length to one chunk (`BoundedKVSettings.prefill_step_tokens`),
+        so a round can run before the next one. A prefill that fits under budget + divide_length runs as vLLM
+        schedules it (no round can fall due inside it), as on the transformers path."""
+        num_new_tokens = super()._reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens)
+        budget = self._budget_of(request)
+        if budget is None or num_new_tokens <= 1:
+            return num_new_tokens
+        physical = num_computed_tokens - self.trikv_offsets.get(request.request_id, 0)
+        if physical + request.num_tokens - num_computed_tokens <= self.trikv.round_trigger(budget):
+            return num_new_tokens
+        return min(num_new_tokens, self._trikv_chunk)
+
+    def _blocks_for(self, full_tokens: int, tokens: int) -> int:
+        """Blocks a fresh request needs over every KV cache group when the full-attention group holds `full_tokens`
+        entries of its `tokens` (the sliding-window groups count as vLLM's admission counts them: their window)."""
+        managers = self.kv_cache_manager.coordinator.single_type_managers
+        blocks = -(-full_tokens // self._trikv_block)
+        for manager in managers:
+            if manager is not self._trikv_manager:
+                blocks += manager.get_num_blocks_to_allocate("trikv-capacity", tokens, [], 0, 0, tokens,
+                                                             apply_admission_cap=True)
+        return blocks
+
+    def _largest_request_fitting(self, blocks: int) -> int:
+        """The most tokens one full-attention request holds in `blocks` blocks (beyond max_model_len where the pool
+        is larger: vLLM stops requests at max_model_len itself)."""
+        low, high = 0, blocks * self._trikv_block
+        while low < high:  # blocks needed grow with the tokens held
+            middle = (low + high + 1) // 2
+            if self._blocks_for(middle, middle) <= blocks:
+                low = middle
+            else:
+                high = middle - 1
+        return low
+
+    def _announce_capacity(self) -> None:
+        """Say what the pool holds: vLLM's own start-up lines ("KV cache size", "Maximum concurrency") count one
+        request at the bound of trikv's KV spec, not at max_model_len, and would mislead."""
+        usable = self.kv_cache_manager.block_pool.num_gpu_blocks - 1
+        budget = self.trikv.largest_request_budget
+        bound = self._bound(budget)
+        per_request = self._blocks_for(bound, self.max_model_len)
+        late = " + one block (max_rounds_per_step)" if self.trikv.max_rounds_per_step is not None else ""
+        full = (f"; a full-attention request holds at most {min(self._trikv_full_capacity, self.max_model_len):,} tokens "
+                "(prompt and output)" if self.trikv.allow_full_requests else "")
+        log.info("trikv: a bounded request (budget up to %d) holds at most %d KV entries per layer and KV head, whatever its "
+                 "length (budget + divide_length %d + prefill chunk %d%s, at most max_model_len %d): %d blocks of the pool's "
+                 "%d usable ones, so the pool holds %d such requests at once%s. vLLM's 'KV cache size' and 'Maximum "
+                 "concurrency' lines count requests at this bound, not at max_model_len",
+                 budget, bound, self.trikv.divide_length, self._trikv_chunk, late, self.max_model_len, per_request, usable,
+                 usable // per_request, full)
 
     def finish_requests(self, request_ids, finished_status):
         """vLLM's, and an abort of a refused request drops its pending error output (the client stopped waiting)."""

@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 
 from ..policies import REGISTRY, Policy
-from ..settings import (DEFAULT_BUDGET, DEFAULT_DIVIDE_LENGTH, DEFAULT_METHOD, DEFAULT_MIN_DECODE_ROOM, DEFAULT_ROUND_WORKSPACE_BYTES,
-                        CacheSettings, check_recent_window, scores_keys_only)
+from ..settings import (DEFAULT_BUDGET, DEFAULT_DIVIDE_LENGTH, DEFAULT_METHOD, DEFAULT_MIN_DECODE_ROOM, DEFAULT_PREFILL_CHUNK_SIZE,
+                        DEFAULT_ROUND_WORKSPACE_BYTES, CacheSettings, check_recent_window, peak_entries_bound, scores_keys_only)
 
 CONFIG_KEY = "trikv"
 # the per-request choice, in `SamplingParams.extra_args` (OpenAI API: `extra_body={"vllm_xargs": {...}}`)
@@ -42,11 +42,14 @@ def serving_methods() -> list[str]:
 @dataclass
 class BoundedKVSettings:
     """A bounded KV cache per request: when a request's KV reaches `budget + divide_length` entries, the top
-    `budget` per (layer, KV head) under `method` are kept and the freed blocks return to vLLM's pool.
+    `budget` per (layer, KV head) under `method` are kept and the freed blocks return to vLLM's pool. A request
+    whose prefill would take it past budget + divide_length is prefilled at most `prefill_chunk_size` tokens per
+    step, with a round between chunks whenever it reaches budget + divide_length, so no request ever holds more
+    than `peak_entries` entries, whatever its length (the rule of trikv's transformers and MLX caches).
 
-    The cache settings (method, budget, divide_length, stats, prompt protection, options) are trikv's
-    `CacheSettings`, with its defaults (`trikv.settings`), validated through it (`cache_settings`); the rest are
-    serving limits.
+    The cache settings (method, budget, divide_length, stats, prompt protection, options, prefill_chunk_size) are
+    trikv's `CacheSettings`, with its defaults (`trikv.settings`), validated through it (`cache_settings`); the
+    rest are serving limits.
 
     A request may choose its own budget with `extra_args["trikv_budget"]` (an integer, or "full" for full
     attention), within the server's limits: at least `MIN_BUDGET` (16) and above the method's recent window, at
@@ -70,6 +73,8 @@ class BoundedKVSettings:
     # at most this many rounds start in one step (None: every due request); a request waits at most until its
     # KV would need a block past budget + divide_length + one block, then it is compacted whatever the limit
     max_rounds_per_step: int | None = None
+    # the most tokens one step prefills of a request that would otherwise pass budget + divide_length
+    prefill_chunk_size: int = DEFAULT_PREFILL_CHUNK_SIZE
 
     def __post_init__(self) -> None:
         if self.method == "full":
@@ -100,7 +105,7 @@ class BoundedKVSettings:
                 raise SettingsError(f"{name} must be true or false, got {getattr(self, name)!r}")
         try:  # the settings every backend shares: method options, statistics, budget vs recent window
             self.cache_settings = CacheSettings(self.method, self.budget, self.divide_length, self.protect_prompt,
-                                                self.min_decode_room, self.stats, self.options)
+                                                self.min_decode_room, self.stats, self.options, self.prefill_chunk_size)
             self._recent_window = self.cache_settings.make_policy().recent_window
             if self.max_request_budget is not None:
                 check_recent_window(self.method, self._recent_window, self.max_request_budget, "max_request_budget")
@@ -116,6 +121,32 @@ class BoundedKVSettings:
             return self.cache_settings.make_policy(stats if self.needs_stats else None)
         except (TypeError, ValueError) as error:
             raise SettingsError(str(error)) from None
+
+    @property
+    def largest_request_budget(self) -> int:
+        """The largest budget a request may have: `max_request_budget`, else `budget`."""
+        return max(self.budget, self.max_request_budget or 0)
+
+    def round_trigger(self, budget: int) -> int:
+        """The physical length at which a request bounded at `budget` is compacted before its next step (and past
+        which a prefill is cut into chunks): budget + divide_length, the first term of `peak_entries`."""
+        return budget + self.divide_length
+
+    def prefill_step_tokens(self, max_step_tokens: int) -> int:
+        """The most tokens one step prefills of a bounded request: `prefill_chunk_size`, or vLLM's own per-step
+        token cap (`max_step_tokens`) when that is smaller."""
+        return min(self.prefill_chunk_size, max_step_tokens)
+
+    def peak_entries(self, budget: int, block_size: int, max_step_tokens: int) -> int:
+        """The most KV entries per (layer, KV head) a request bounded at `budget` ever holds inside vLLM.
+
+        A round runs before a step that finds the request at budget + divide_length, and a step adds at most one
+        prefill chunk (`prefill_step_tokens`): budget + divide_length + chunk (`trikv.settings.peak_entries_bound`,
+        the transformers path's bound). With `max_rounds_per_step` a due round may wait while the request stays
+        within one more block (`block_size`), so the bound grows by that block. The scheduler's admission cap,
+        its prefill chunks and the KV spec vLLM sizes its pool with at start-up all read this one bound."""
+        late = block_size if self.max_rounds_per_step is not None else 0
+        return peak_entries_bound(budget, self.divide_length, self.prefill_step_tokens(max_step_tokens)) + late
 
     @property
     def lowest_request_budget(self) -> int:

@@ -5,9 +5,10 @@ one vLLM minor release (SUPPORTED_VLLM). Features that would silently break a co
 prefix caching (shared blocks would be rewritten), speculative decoding (unverified tokens in the count),
 pipeline / context parallelism, KV connectors, quantised KV caches, the V2 model runner, CUDA graph modes that
 capture attention (FULL, FULL_DECODE_ONLY, FULL_AND_PIECEWISE: a replayed graph reads the sequence lengths it was
-captured with), an engine without chunked prefill (a preempted request would be recomputed in one prefill of its
-whole history), a front end without trikv's request checks, models whose every layer slides. Hybrid models
-(Gemma-3) are bounded in their full-attention layers; their sliding-window layers stay vLLM's.
+captured with), an engine without chunked prefill (trikv prefills a long prompt, or a preempted request's
+history, in chunks compacted between them), a front end without trikv's request checks, models whose every layer
+slides. Hybrid models (Gemma-3) are bounded in their full-attention layers; their sliding-window layers stay
+vLLM's.
 """
 
 from __future__ import annotations
@@ -108,9 +109,9 @@ def check_engine_config(vllm_config, settings: BoundedKVSettings | None) -> None
     if (graph := graph_mode_problem(vllm_config.compilation_config)) is not None:
         problems.append(graph)
     if not vllm_config.scheduler_config.enable_chunked_prefill:
-        problems.append("chunked prefill is off: a preempted request would be recomputed in one prefill of its whole "
-                        "history, holding all of it at once (with chunked prefill it is compacted between chunks and "
-                        "never holds more than budget + divide_length + one chunk): remove --no-enable-chunked-prefill / "
+        problems.append("chunked prefill is off: trikv prefills a long prompt (and a preempted request's history) in "
+                        "chunks of prefill_chunk_size tokens compacted between them, so that no request holds more than "
+                        "budget + divide_length + one chunk: remove --no-enable-chunked-prefill / "
                         "enable_chunked_prefill=False")
     from .frontend import REQUEST_CHECKS_ENV, checks_installed
 

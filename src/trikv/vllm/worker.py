@@ -18,9 +18,11 @@ rewritten in place (the block table's stale ids past a compacted request's kept 
 compacted sequence lengths live in attention metadata built for the step, which attention reads only when it
 runs outside graphs. So PIECEWISE graphs (attention and KV writes between the captured pieces) are safe and FULL
 graphs are not: a mode with FULL graphs is refused when the runner has resolved it (`support.graph_mode_problem`).
-Memory: on accelerators vLLM's KV pool is reduced by the rounds' workspace and by every running request's kept
-positions (int32 per kept entry), and a `round_workspace_bytes` below the floor of a `max_model_len`-token
-request's round is refused at start-up.
+Memory: the runner reports the full-attention layers' KV spec as `BoundedFullAttentionSpec` (`capacity.py`), so
+vLLM's start-up check sizes the pool for one request at trikv's bound rather than at max_model_len; on
+accelerators vLLM's KV pool is reduced by the rounds' workspace and by every running request's kept positions
+(int32 per kept entry), and a `round_workspace_bytes` below the floor of a round at that bound (the most entries
+a round ever sees) is refused at start-up.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from ..architectures import config_shape
 from ..calibration import load_stats
 from ..fast import accelerate
 from ..geometry import RopeGeometry
+from .capacity import BoundedFullAttentionSpec, bounded_kv_cache_specs, request_bound
 from .compactor import Compactor, StepPlan, request_state_bytes
 from .pages import PageCodec
 from .settings import BoundedKVSettings, SettingsError
@@ -66,7 +69,8 @@ class BoundedKVRunner:
 
         groups = self.kv_cache_config.kv_cache_groups
         kinds = [type(group.kv_cache_spec).__name__ for group in groups]
-        full = [index for index, group in enumerate(groups) if type(group.kv_cache_spec) is FullAttentionSpec]
+        full = [index for index, group in enumerate(groups)
+                if type(group.kv_cache_spec) in (FullAttentionSpec, BoundedFullAttentionSpec)]
         sliding = [index for index, group in enumerate(groups) if isinstance(group.kv_cache_spec, SlidingWindowSpec)]
         if len(full) != 1 or len(full) + len(sliding) != len(groups):
             raise RuntimeError(f"trikv bounds one full-attention KV cache group and leaves sliding-window groups to vLLM; "
@@ -106,6 +110,10 @@ class BoundedKVRunner:
         for attn_group in self.attn_groups[self._trikv_group]:
             _physical_metadata(attn_group, self)
 
+    def get_kv_cache_spec(self):
+        """vLLM's specs, the full-attention layers' counted at trikv's bound (`capacity.BoundedFullAttentionSpec`)."""
+        return bounded_kv_cache_specs(super().get_kv_cache_spec())
+
     def execute_model(self, scheduler_output, intermediate_tensors=None):
         if self.trikv_compactor is not None:
             self._trikv_before_step(scheduler_output, getattr(scheduler_output, "trikv", None))
@@ -122,7 +130,7 @@ class BoundedKVRunner:
         self._trikv_row_offsets = None
         if plan is None:
             return
-        compactor.note_step(plan.running, plan.preemptions)
+        compactor.note_step(plan.running, plan.preemptions, plan.request_blocks)
         if not plan.rounds:
             return
         group = self._trikv_group
@@ -252,8 +260,9 @@ class TriKVWorker(_PlatformWorker):
             kv_heads = local_kv_heads(shape.num_kv_heads, *_tp())
             self.model_runner.trikv_learn_pages(shape.cached_layers, len(kv_heads), shape.head_dim)
             runner = self.model_runner
-            check_round_floor(runner.trikv_compactor, runner._trikv_caches[0], runner._trikv_codecs[0],
-                              len(shape.cached_layers), self.vllm_config.model_config.max_model_len)
+            codec = runner._trikv_codecs[0]
+            entries = request_bound(self.trikv, self.trikv.largest_request_budget, codec.block_size, self.vllm_config)
+            check_round_floor(runner.trikv_compactor, runner._trikv_caches[0], codec, len(shape.cached_layers), entries)
 
     def _trikv_compactor(self) -> Compactor:
         settings = self.trikv
@@ -285,14 +294,17 @@ class TriKVWorker(_PlatformWorker):
                 for record in records]
 
     def trikv_stats(self) -> dict:
-        """Rounds and time spent compacting on this worker; the most requests running at once and the
-        preemptions so far, as the scheduler reported them; how many requests were compacted, and the ids of those
-        running now with a compacted cache (finished and aborted requests are dropped, so the map stays bounded)."""
+        """Rounds and time spent compacting on this worker; the most requests running at once, the most
+        full-attention KV blocks one bounded request held in a step (`max_request_blocks`: at most its bound's) and
+        the preemptions so far, as the scheduler reported them; how many requests were compacted, and the ids of
+        those running now with a compacted cache (finished and aborted requests are dropped, so the map stays
+        bounded)."""
         compactor = getattr(self.model_runner, "trikv_compactor", None)
         if compactor is None:
             return {}
         return {"rounds": compactor.rounds, "seconds": compactor.seconds, "max_running": compactor.max_running,
-                "preemptions": compactor.preemptions, "compacted_requests": compactor.compacted_requests,
+                "max_request_blocks": compactor.max_request_blocks, "preemptions": compactor.preemptions,
+                "compacted_requests": compactor.compacted_requests,
                 "compacted_running": sorted(compactor.kept_positions)}
 
 
@@ -307,17 +319,18 @@ def trikv_reserved_bytes(settings: BoundedKVSettings, vllm_config, kv_heads: int
     return settings.round_workspace_bytes + vllm_config.scheduler_config.max_num_seqs * state
 
 
-def check_round_floor(compactor: Compactor, cache: torch.Tensor, codec: PageCodec, layers: int, max_model_len: int) -> None:
-    """Refuse a round workspace smaller than the smallest chunk a `max_model_len`-token request's round needs."""
-    slots = -(-max_model_len // codec.block_size) * codec.block_size
+def check_round_floor(compactor: Compactor, cache: torch.Tensor, codec: PageCodec, layers: int, entries: int) -> None:
+    """Refuse a round workspace smaller than the smallest chunk a round over `entries` entries per (layer, KV head)
+    needs (the worker passes trikv's bound at the largest request budget: no round sees more)."""
+    slots = -(-entries // codec.block_size) * codec.block_size
     floor = compactor.floor_bytes(layers, codec.num_heads, slots, codec.head_dim, cache.element_size(),
                                   codec.plan(cache).index_bytes_per_slot)
     if floor > compactor.round_workspace_bytes:
         raise SettingsError(
-            f"round_workspace_bytes {compactor.round_workspace_bytes:,} is below what one compaction round of a "
-            f"{max_model_len}-token request needs at the least ({floor:,} bytes: one chunk of what "
+            f"round_workspace_bytes {compactor.round_workspace_bytes:,} is below what one compaction round of a request "
+            f"holding {entries} entries needs at the least ({floor:,} bytes: one chunk of what "
             f"{type(compactor.policy).__name__} cannot split further, over {slots} slots): raise round_workspace_bytes "
-            f"to at least {floor:,} or lower max_model_len")
+            f"to at least {floor:,} or lower the bound (budget, divide_length, prefill_chunk_size)")
 
 
 def local_kv_heads(num_kv_heads: int, rank: int, world: int) -> list[int]:
