@@ -95,7 +95,7 @@ def test_the_limit_ends_full_attention_and_a_bounded_method_completes_under_it(t
                                                                 "kv_bytes_per_token": per_token,
                                                                 "cap_bytes": limit_tokens * per_token}}))
     (tmp_path / "sessions.json").write_text(json.dumps([session.to_json()]))
-    page = write_report(tmp_path, tmp_path / "agent.md").read_text()
+    page = write_report([tmp_path], tmp_path / "agent.md").read_text()
     assert f"| transformers | full | 0/1 | at message {failed_at + 1} " in page
     assert "| transformers | triattention | 1/1 | - |" in page
     assert (tmp_path / "agent_files" / "kv_per_message.png").stat().st_size > 10_000

@@ -250,7 +250,7 @@ def _run_vllm(sessions, methods, references, cells, common, per_token, args) -> 
 
 
 def add_report_arguments(parser) -> None:
-    parser.add_argument("folder", help="the --out folder of `trikv bench agent`")
+    parser.add_argument("folders", nargs="+", help="--out folders of `trikv bench agent` (one section each)")
     parser.add_argument("--out", default="docs/agent.md", help="the page to write (a folder of plots beside it)")
     parser.set_defaults(func=report_main)
 
@@ -258,7 +258,7 @@ def add_report_arguments(parser) -> None:
 def report_main(args) -> int:
     from .report import write_report
 
-    path = write_report(Path(args.folder), Path(args.out))
+    path = write_report([Path(folder) for folder in args.folders], Path(args.out))
     print(f"[trikv bench agent-report] wrote {path}")
     return 0
 
