@@ -36,7 +36,7 @@ fi
 # 2. statistics (float64 sums; 200K tokens of the traces)
 if [ ! -s "$out/stats.safetensors" ]; then
   trikv calibrate --model "$model" --text "$out/calibration.txt" --out "$out/stats.safetensors" \
-    --max-tokens 200000 --chunk-tokens 4096 --device cuda --dtype bfloat16
+    --text-tokens 200000 --chunk-tokens 4096 --device cuda --dtype bfloat16
 fi
 # 3. accuracy on AIME 2024 + 2025 (the run resumes: rerun the script to continue after an interruption)
 trikv bench quality --task math --model "$model" --stats "$out/stats.safetensors" --math-datasets aime24,aime25 \

@@ -1,7 +1,9 @@
-"""The commands and snippets of README.md, read from the README itself (so the two cannot drift apart).
+"""The commands and snippets of README.md and the user guides (docs/guides/*.md), read from the pages themselves
+(so the two cannot drift apart).
 
-`shell_commands()` gives every command of the README's ```bash blocks (continuation lines joined, comments
-dropped), `python_snippets()` every ```python block, in README order.
+`shell_commands()` gives every command of the pages' ```bash blocks (continuation lines joined, comments dropped),
+`python_snippets()` every ```python block, in page order (the README first); a command shown on two pages is
+listed once.
 """
 
 from __future__ import annotations
@@ -9,13 +11,16 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs" / "guides").glob("*.md"))]
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.M | re.S)
 
 
 def blocks(text: str | None = None) -> list[tuple[str, str]]:
-    """(language, code) of every fenced block."""
-    return [(language, code) for language, code in FENCE.findall(text if text is not None else README.read_text())]
+    """(language, code) of every fenced block of `text` (default: every page)."""
+    texts = [text] if text is not None else [page.read_text() for page in PAGES]
+    return [(language, code) for source in texts for language, code in FENCE.findall(source)]
 
 
 def _strip_comment(line: str) -> str:
@@ -49,7 +54,7 @@ def shell_commands(text: str | None = None) -> list[str]:
             pending = ""
         if pending.strip():
             commands.append(pending.strip())
-    return commands
+    return list(dict.fromkeys(commands))
 
 
 def python_snippets(text: str | None = None) -> list[str]:

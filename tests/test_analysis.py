@@ -294,7 +294,7 @@ def test_analyze_command_end_to_end(tmp_path):
     b.write_text("def x return y if x else y for x in y " * 30)
     out = tmp_path / "out"
     code = main(["--model", str(model_dir), "--text", str(a), "--text", str(b), "--out", str(out),
-                 "--max-tokens", "200", "--chunk-tokens", "100", "--distances", "12", "--no-progress", "--skip-sanity-check"])
+                 "--text-tokens", "200", "--chunk-tokens", "100", "--distances", "12", "--no-progress", "--skip-sanity-check"])
     assert code == 0
     saved = _check_result_files(out, json.loads((out / "analysis.json").read_text()), L=3, H=4, F=16)
     assert saved["meta"]["layer_types"][1] == "full_attention" and saved["meta"]["sliding_windows"] == [16, None, 16]

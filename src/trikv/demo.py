@@ -20,7 +20,7 @@ from .calibration import load_stats
 from .lean import LEAN_FAMILIES
 from .generation import GenerationResult
 from .models import DEFAULT_MODEL, load_model
-from .settings import DEFAULT_DIVIDE_LENGTH
+from .settings import DEFAULT_DIVIDE_LENGTH, DEMO_SAMPLING
 
 # Plain prose on one subject after another. The demo holds the bundled 135M model to 1,500 tokens, past the end of
 # its answer (end-of-sequence is forbidden until then). Held there at the paper's T 0.6 (or 0.7, 0.8) it fell into a
@@ -31,9 +31,7 @@ DEFAULT_PROMPT = (
     "Explain in detail how the water cycle works, then how weather forecasts are made, and finally how climate "
     "differs from weather. Write in full paragraphs."
 )
-DEFAULT_TEMPERATURE = 0.9
-DEFAULT_TOP_P = 0.95  # the TriAttention paper's
-DEFAULT_SEED = 0
+DEFAULT_TEMPERATURE, DEFAULT_TOP_P, DEFAULT_SEED = DEMO_SAMPLING  # top-p: the TriAttention paper's
 
 
 def default_sampling() -> dict:

@@ -17,7 +17,7 @@ def add_analyze_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
                         help="text file to analyse; repeat for several (default: the shipped prose, code and math texts)")
     parser.add_argument("--out", required=True, metavar="DIR", help="output folder for analysis.json, the PNG plots and report.md")
     parser.add_argument("--head", default=None, metavar="LAYER,HEAD", help="head shown in the scatter plots (default: chosen automatically)")
-    parser.add_argument("--max-tokens", type=int, default=4096, help="tokens used from each text (default 4096)")
+    parser.add_argument("--text-tokens", type=int, default=4096, help="tokens used from each text")
     parser.add_argument("--chunk-tokens", type=int, default=2048, help="tokens per forward pass; distances reach half of this (default 2048)")
     parser.add_argument("--distances", type=int, default=32, help="number of log-spaced Q-K distances (default 32)")
     parser.add_argument("--query-samples", type=int, default=128, help="single queries per text for the per-query reconstruction r (default 128)")
@@ -71,7 +71,7 @@ def analyze_main(args: argparse.Namespace) -> int:
         texts,
         args.out,
         head=args.head,
-        max_tokens=args.max_tokens,
+        max_tokens=args.text_tokens,
         progress=not args.no_progress,
         chunk_tokens=args.chunk_tokens,
         num_distances=args.distances,

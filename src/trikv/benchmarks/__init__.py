@@ -33,6 +33,7 @@ BENCH_MODULES = [
     "trikv.benchmarks.serving_report",
     "trikv.benchmarks.soak",
     "trikv.benchmarks.agent.cli",
+    "trikv.benchmarks.readme",
 ]
 
 

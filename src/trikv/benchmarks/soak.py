@@ -2,7 +2,7 @@
 
 Starts `trikv serve` (the bundled model by default) and keeps `--concurrency` streamed completions in flight
 until `--requests` have been sent: prompts of real text with lengths drawn from [short, long], output lengths
-drawn from [1, max_tokens] (most past budget + divide_length, so they are compacted), and a share
+drawn from [1, --max-new-tokens] (most past budget + divide_length, so they are compacted), and a share
 `--abort-share` closed by the client after a few tokens (vLLM aborts them). After every `--sample-every`
 finished requests it records the server's resident memory (all its processes) and `GET /trikv/stats`. At
 the end, with no request in flight, the compactor must hold no per-request state (`compacted_running` empty
@@ -31,7 +31,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--divide-length", type=int, default=32)
     parser.add_argument("--requests", type=int, default=2000, help="requests to send (default 2000)")
     parser.add_argument("--concurrency", type=int, default=16, help="requests in flight (default 16)")
-    parser.add_argument("--max-tokens", type=int, default=200, help="largest output length drawn (default 200)")
+    parser.add_argument("--max-new-tokens", type=int, default=200, help="largest output length drawn")
     parser.add_argument("--prompt-lengths", default="8,160", help="shortest,longest prompt in tokens (default 8,160)")
     parser.add_argument("--abort-share", type=float, default=0.1, help="share of requests closed by the client (default 0.1)")
     parser.add_argument("--sample-every", type=int, default=100, help="finished requests between samples (default 100)")
@@ -65,7 +65,7 @@ def _start_server(args, longest: int, log_path: Path):
 
     command = [sys.executable, "-m", "trikv.cli", "serve", "--model", args.model, "--method", args.method,
                "--budget", str(args.budget), "--divide-length", str(args.divide_length), "--port", str(args.port), "--",
-               "--dtype", "float32", "--max-model-len", str(longest + args.max_tokens + 8), "--block-size", "32",
+               "--dtype", "float32", "--max-model-len", str(longest + args.max_new_tokens + 8), "--block-size", "32",
                "--enforce-eager", "--max-num-seqs", str(args.concurrency)]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
     env.pop("VLLM_PLUGINS", None)  # `trikv serve` names its stats endpoint
@@ -108,7 +108,7 @@ def run_soak(args) -> dict:
             size = rng.randint(shortest, longest)
             start = rng.randrange(len(source) - size)
             abort_after = rng.randint(1, 8) if rng.random() < args.abort_share else None
-            plan.append((source[start : start + size], rng.randint(1, args.max_tokens), abort_after))
+            plan.append((source[start : start + size], rng.randint(1, args.max_new_tokens), abort_after))
 
         outcomes: list[dict | None] = [None] * len(plan)
         samples = []

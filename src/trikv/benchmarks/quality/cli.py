@@ -29,7 +29,7 @@ def add_quality_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--methods", type=_names, default=None, help="comma list of registered methods (`trikv methods`)")
     parser.add_argument("--budgets", type=_ints, default=None, help="comma list of budgets, e.g. 64,128,256,512")
     parser.add_argument("--divide-length", type=int, default=None, help="slack beta: compress at budget + beta (default 128)")
-    parser.add_argument("--no-prompt-protection", dest="protect_prompt", action="store_false", default=None,
+    parser.add_argument("--no-protect-prompt", dest="protect_prompt", action="store_false", default=None,
                         help="let the prompt's entries compete for the budget like any other (default: protected)")
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--out", default="bench-quality", help="result folder (resumes a run with the same settings; other --methods or --budgets extend it, reusing its finished cells)")
