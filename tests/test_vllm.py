@@ -930,7 +930,7 @@ def test_http_server_streams_a_chat_completion_with_the_bounded_cache(tmp_path):
         # request got all its tokens and the server still answers (the 2,000-request run is a benchmark)
         out = tmp_path / "soak"
         done = subprocess.run([sys.executable, "-m", "trikv.cli", "bench", "soak", "--requests", "20", "--concurrency", "6",
-                               "--abort-share", "0.3", "--sample-every", "5", "--max-tokens", "80",
+                               "--abort-share", "0.3", "--sample-every", "5", "--max-new-tokens", "80",
                                "--url", f"http://127.0.0.1:{port}", "--server-pid", str(server.pid), "--out", str(out),
                                "--no-progress"], capture_output=True, text=True, timeout=900)
         assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
