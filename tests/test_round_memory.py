@@ -251,3 +251,26 @@ def test_the_kept_positions_of_running_requests_are_counted_in_the_reservation()
     vllm_config = SimpleNamespace(model_config=SimpleNamespace(hf_config=model_config(small=False)),
                                   scheduler_config=SimpleNamespace(max_num_seqs=256))
     assert trikv_reserved_bytes(settings, vllm_config, kv_heads=4) == CAP + 256 * request_state_bytes(32, 4, 4096)
+
+
+def test_the_worker_takes_the_reservation_off_the_pool_on_accelerators_only(monkeypatch):
+    """`TriKVWorker.determine_available_memory` on an accelerator: vLLM's measured KV space less the workspace and
+    256 requests' kept positions at 8B shapes (2 MiB each at B = 2048); on CPU (vLLM's KV space is a fixed setting
+    there) vLLM's figure as it is. vLLM's own profiling is stubbed to a known figure and the platform switched, so
+    the accelerator branch runs on this machine."""
+    from types import SimpleNamespace
+
+    from trikv.benchmarks.gpu_check import model_config
+    from trikv.vllm import worker as worker_module
+    from trikv.vllm.settings import BoundedKVSettings
+
+    measured = 40 * 2**30
+    monkeypatch.setattr(worker_module._PlatformWorker, "determine_available_memory", lambda self: measured)
+    monkeypatch.setattr(worker_module, "_tp", lambda: (0, 1))
+    worker = worker_module.TriKVWorker.__new__(worker_module.TriKVWorker)
+    worker.trikv = BoundedKVSettings(method="streaming", budget=2048)
+    worker.vllm_config = SimpleNamespace(model_config=SimpleNamespace(hf_config=model_config(small=False)),
+                                         scheduler_config=SimpleNamespace(max_num_seqs=256))
+    for is_cpu, expected in ((False, measured - CAP - 256 * 2 * 2**20), (True, measured)):
+        monkeypatch.setattr(worker_module, "current_platform", SimpleNamespace(is_cpu=lambda is_cpu=is_cpu: is_cpu))
+        assert worker.determine_available_memory() == expected

@@ -10,7 +10,10 @@ round on the meta device, which has shapes but no data and takes CUDA's code pat
   upload;
 - refusals at start-up (no chunked prefill, no front-end checks) and of malformed request settings;
 - the per-request prefill cap sits in vLLM's last per-request cap on a step's tokens, which both of the scheduler's
-  loops (running and waiting requests) call before allocating blocks.
+  loops (running and waiting requests) call before allocating blocks;
+- microbatching: each microbatch's metadata takes the physical lengths of its own rows;
+- the guards that only run on CUDA (the worker's refusals of FULL graphs and of the V2 runner, pinned uploads), made
+  reachable with vLLM's own initialisation stubbed and the copy calls recorded.
 """
 
 from __future__ import annotations
@@ -319,3 +322,160 @@ def test_a_round_never_waits_for_the_device(due, layers):
     assert traces[1].async_copies == 1  # the round's one upload
     assert set(compactor.kept_positions) == set(paged.block_ids)
     assert all(p.dtype == torch.int32 and p.shape == (layers, 2, 32) for p in compactor.kept_positions.values())
+
+
+# ---- microbatching (`--enable-dbo`, `ubatch_size > 1`: CUDA, with DeepEP / NIXL all2all backends) -------------
+def test_each_microbatch_attends_over_its_own_rows_physical_lengths():
+    """vLLM 0.32 builds a microbatch's attention metadata from a slice of the step's (`split_attn_metadata`, rows
+    `request_slice`), passing the microbatch's index to `build_metadata`. Four requests (two compacted, at rows 1 and
+    3, one of them split across the two microbatches by vLLM's own token-balanced cut) go through the worker's
+    wrapper of the full-attention group, each microbatch on its own: every row's sequence length is its request's
+    logical length in that microbatch less that request's offset (not the offset of the step's row 0 + i)."""
+    import inspect
+    from types import SimpleNamespace
+
+    import numpy as np
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    from vllm.v1.worker.ubatch_utils import maybe_create_ubatch_slices, split_attn_metadata
+
+    from trikv.vllm.worker import BoundedKVRunner, _physical_metadata
+
+    # where vLLM hands the slices over and how it calls the builder of each microbatch
+    source = inspect.getsource(GPUModelRunner._build_attention_metadata)
+    assert "split_attn_metadata(ubatch_slices, cm)" in source
+    assert "attn_group.build_metadata(\n                    common_attn_metadata,\n                    ubid or 0," in source
+    assert "ubatch_slices=ubatch_slices_attn," in inspect.getsource(GPUModelRunner.execute_model)
+
+    query = np.array([1, 1, 6, 1])  # tokens scheduled per request: three decodes and a prefill chunk
+    logical = torch.tensor([50, 140, 30, 200], dtype=torch.int32)  # logical lengths after the step
+    offsets = {0: 0, 1: 76, 2: 0, 3: 136}  # request row -> logical - physical
+    starts = torch.tensor([0, *np.cumsum(query)], dtype=torch.int32)
+    tokens = int(query.sum())
+    common = CommonAttentionMetadata(
+        query_start_loc=starts, query_start_loc_cpu=starts.clone(), seq_lens=logical.clone(), num_reqs=4,
+        num_actual_tokens=tokens, max_query_len=int(query.max()), max_seq_len=int(logical.max()),
+        block_table_tensor=torch.arange(4 * 8, dtype=torch.int32).view(4, 8), slot_mapping=torch.arange(tokens),
+        seq_lens_cpu_upper_bound=logical.clone())
+    slices, _ = maybe_create_ubatch_slices(True, query, tokens, 4, 2)
+    assert len(slices) == 2 and slices[1].request_slice.start > 0
+    assert slices[0].request_slice.stop - 1 == slices[1].request_slice.start  # vLLM split request 2 across both
+
+    class Runner(BoundedKVRunner):
+        pass
+
+    runner = Runner()
+    runner._trikv_row_offsets = torch.tensor([offsets[row] for row in range(4)])
+    runner._trikv_ubatch_slices = slices
+    group = SimpleNamespace(build_metadata=lambda metadata, ubatch_idx=0, **kwargs: metadata)
+    _physical_metadata(group, runner)
+    for ubid, half in enumerate(split_attn_metadata(slices, common)):
+        rows = range(slices[ubid].request_slice.start, slices[ubid].request_slice.stop)
+        expected = [int(half.seq_lens[i]) - offsets[row] for i, row in enumerate(rows)]
+        built = group.build_metadata(half, ubid)
+        assert built.seq_lens.tolist() == expected, (ubid, list(rows))
+        assert built.seq_lens_cpu_upper_bound.tolist() == expected and built.max_seq_len == max(expected)
+    # the rows of the second microbatch carry offsets its row 0 + i would not: the old reading differs
+    assert [offsets[row] for row in range(slices[1].request_slice.start, 4)] != [offsets[i] for i in range(4 - slices[1].request_slice.start)]
+
+    # the runner keeps the step's slices while vLLM builds the metadata, and drops them after
+    seen = []
+
+    class Parent:
+        def _build_attention_metadata(self, *args, **kwargs):
+            seen.append(self._trikv_ubatch_slices)
+            return "metadata"
+
+    class Wrapped(BoundedKVRunner, Parent):
+        pass
+
+    wrapped = Wrapped()
+    assert wrapped._build_attention_metadata(num_tokens=tokens, ubatch_slices=slices) == "metadata"
+    assert seen == [slices] and wrapped._trikv_ubatch_slices is None
+
+
+# ---- guards that only run on CUDA, made reachable here ---------------------------------------------------------
+def test_uploads_to_cuda_are_pinned_and_queued(monkeypatch):
+    """A round's header and the step's offsets go up from pinned memory with non_blocking=True (from pageable memory
+    CUDA's copy waits for the host); on CPU the tensor is used as it is. The copy calls are recorded, not run (this
+    machine has no CUDA)."""
+    from trikv.vllm.compactor import upload
+
+    calls = []
+
+    def pin_memory(self):
+        calls.append("pin")
+        return self
+
+    def to(self, device, non_blocking=False):
+        calls.append(("to", torch.device(device).type, non_blocking))
+        return self
+
+    host = torch.arange(6)
+    assert upload(host, torch.device("cpu")) is host
+    monkeypatch.setattr(torch.Tensor, "pin_memory", pin_memory)
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    upload(host, torch.device("cuda", 0))
+    assert calls == ["pin", ("to", "cuda", True)]
+
+
+def _worker(settings_args: dict, **config):
+    """A TriKVWorker without its device: settings and a real engine configuration, vLLM's own start-up not run."""
+    from trikv.vllm.worker import TriKVWorker
+
+    worker = TriKVWorker.__new__(TriKVWorker)
+    worker.vllm_config = _engine_config(**settings_args, **config)
+    worker.trikv = BoundedKVSettings.from_config(worker.vllm_config.additional_config)
+    return worker
+
+
+@pytest.mark.parametrize("mode", FULL_MODES, ids=lambda mode: mode.name)
+def test_the_worker_refuses_full_graphs_as_the_runner_resolved_them(monkeypatch, mode):
+    """vLLM resolves the graph mode in the worker (after the scheduler's check: attention fused with quantisation
+    turns PIECEWISE into FULL there); the worker refuses a resolved mode with FULL graphs before it learns its pages.
+    vLLM's own initialisation is stubbed: what runs is trikv's check on the configuration it leaves."""
+    from trikv.vllm import worker as worker_module
+
+    monkeypatch.setattr(worker_module._PlatformWorker, "initialize_from_config", lambda self, *args, **kwargs: None)
+    worker = _worker(engine_args(method="streaming", budget=64))
+    worker.vllm_config.compilation_config.cudagraph_mode = mode
+    with pytest.raises(UnsupportedEngineError, match=f"CUDA graph mode {mode.name} replays attention"):
+        worker.initialize_from_config(None)
+
+    class Learnt(Exception):
+        pass
+
+    def learn(*args):
+        raise Learnt
+
+    worker.vllm_config.compilation_config.cudagraph_mode = CUDAGraphMode.PIECEWISE
+    worker.model_runner = type("Runner", (), {"trikv_learn_pages": staticmethod(learn)})()
+    monkeypatch.setattr(worker_module, "_tp", lambda: (0, 1))
+    with pytest.raises(Learnt):  # PIECEWISE passes on to the page learning
+        worker.initialize_from_config(None)
+
+
+def test_the_worker_refuses_the_v2_runner_it_was_given(monkeypatch, no_runner_choice):
+    """Where VLLM_USE_V2_MODEL_RUNNER reaches the worker anyway, vLLM builds its V2 `GPUModelRunner`
+    (vllm.v1.worker.gpu.model_runner), which is not the V1 class trikv extends: the worker refuses it naming the
+    variable. A V1 runner (the CPU build's CPUModelRunner derives from V1's GPUModelRunner) becomes trikv's."""
+    import inspect
+
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2Runner
+    from vllm.v1.worker.gpu_worker import Worker
+
+    from trikv.vllm import worker as worker_module
+    from trikv.vllm.worker import BoundedKVRunner
+
+    assert "from vllm.v1.worker.gpu.model_runner import" in inspect.getsource(Worker._make_model_runner)
+    given = []
+    monkeypatch.setattr(worker_module._PlatformWorker, "init_device", lambda self: setattr(self, "model_runner", given[-1]))
+    monkeypatch.setattr(worker_module, "check_model", lambda *args: None)
+    given.append(V2Runner.__new__(V2Runner))
+    worker = _worker(engine_args(method="streaming", budget=64))
+    with pytest.raises(RuntimeError, match=r"not vllm\.v1\.worker\.gpu\.model_runner\.GPUModelRunner; set VLLM_USE_V2_MODEL_RUNNER=0"):
+        worker.init_device()
+    given.append(CPUModelRunner.__new__(CPUModelRunner))
+    worker.init_device()
+    assert isinstance(worker.model_runner, BoundedKVRunner) and isinstance(worker.model_runner, CPUModelRunner)

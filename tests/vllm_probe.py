@@ -7,6 +7,11 @@ each compacted request in the batch (full-attention KV cache group): its block-t
 and is zero where the blocks it gave back were (no stale id), on the host and in the committed device copy; the
 slot of each of its new tokens, in the persistent slot-mapping buffer, is the physical slot of its position less the
 request's offset; and the metadata handed to attention points at those very buffers (same storage).
+
+vLLM's CPU runner makes every "device" buffer the host tensor itself (`CPUModelRunner._postprocess_tensors`), so a
+device copy would always equal the host rows. The probe gives the group's block table a device copy of its own
+storage, as CUDA has: vLLM's commit (`commit_block_table`, in `_prepare_inputs`) must copy the host rows into it,
+the slot mapping and attention read it, and a row rewritten after the commit would show there as stale.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ def install(worker) -> None:
     runner = worker.model_runner
     runner._trikv_probe = []
     group = runner._trikv_group
+    table = runner.input_batch.block_table[group].block_table
+    table.gpu = table.cpu.clone()  # a device copy with its own storage: commits now copy
     prepare = runner._prepare_inputs
 
     def probed_prepare(scheduler_output, num_scheduled_tokens):
@@ -66,7 +73,8 @@ def _step_findings(runner, group: int, plan, total_tokens: int) -> dict:
             "request_id": op.request_id, "offset": offset,
             "lists_its_blocks": host_row[: len(ids)] == ids,
             "stale_ids_cleared": all(block == 0 for block in host_row[len(ids) : max(held, len(ids))]),
-            "device_copy_committed": device_row[: max(held, len(ids))] == host_row[: max(held, len(ids))],
+            "device_copy_committed": (device_row[: max(held, len(ids))] == host_row[: max(held, len(ids))]
+                                      and table.block_table.gpu.data_ptr() != table.block_table.cpu.data_ptr()),
             "slots_physical": [s for s, r in zip(slots, rows_of_tokens) if r == row] == expected and bool(expected),
         })
     return {"requests": requests}
@@ -74,3 +82,58 @@ def _step_findings(runner, group: int, plan, total_tokens: int) -> dict:
 
 def findings(worker) -> list[dict]:
     return worker.model_runner._trikv_probe
+
+
+def set_kv_scales(worker, k_scale: float, v_scale: float) -> None:
+    """Give every attention layer these fp8 KV scales, as a quantised checkpoint would (vLLM keeps each layer's
+    device tensor and its host float equal: the CPU kernels read the float, CUDA's and trikv's rounds the tensor)."""
+    from vllm.model_executor.layers.attention.attention import Attention
+
+    for layer in worker.model_runner.compilation_config.static_forward_context.values():
+        if isinstance(layer, Attention):
+            layer._k_scale.fill_(k_scale)
+            layer._v_scale.fill_(v_scale)
+            layer._k_scale_float, layer._v_scale_float = k_scale, v_scale
+
+
+def record_keys(worker) -> None:
+    """Record the keys every layer of the full-attention group hands vLLM's KV write (post-RoPE, before any
+    quantisation), with each token's request and position: what the cache then holds is that write's doing, which a
+    test can model on its own (`keys_written` returns them)."""
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    runner = worker.model_runner
+    group = runner.kv_cache_config.kv_cache_groups[runner._trikv_group]
+    runner._trikv_written = {}  # request id -> layer -> [(positions [n], keys [n, Hkv, D])]
+    context = runner.compilation_config.static_forward_context
+    for name in group.layer_names:
+        impl, index = context[name].impl, extract_layer_index(name)
+        write = impl.do_kv_cache_update
+
+        def recorded(layer, key, value, kv_cache, slot_mapping, _write=write, _index=index):
+            tokens = key.shape[0]
+            rows = runner.req_indices.gpu[:tokens]
+            positions = runner.positions[:tokens]
+            for row in rows.unique().tolist():
+                mine = rows == row
+                per_layer = runner._trikv_written.setdefault(runner.input_batch.req_ids[row], {}).setdefault(_index, [])
+                per_layer.append((positions[mine].clone(), key[mine].clone()))
+            return _write(layer, key, value, kv_cache, slot_mapping)
+
+        impl.do_kv_cache_update = recorded
+
+
+def keys_written(worker, path: str) -> str:
+    """Save the recorded keys to `path` ({request id: {layer: (positions [T], keys [T, Hkv, D])}}, in position order)."""
+    import torch
+
+    saved = {}
+    for request_id, layers in worker.model_runner._trikv_written.items():
+        saved[request_id] = {}
+        for index, parts in layers.items():
+            positions = torch.cat([p for p, _ in parts])
+            keys = torch.cat([k for _, k in parts])
+            order = positions.argsort()
+            saved[request_id][index] = (positions[order], keys[order])
+    torch.save(saved, path)
+    return path

@@ -6,18 +6,23 @@ The test process stays free of vLLM. SPEC: {"model", "dtype",
 "trikv": settings for trikv.vllm.engine_args or null (plain vLLM), "engine": extra vllm.LLM arguments, "env":
 environment variables, "in_process": engine core and worker inside this interpreter (default; false runs
 vLLM's usual separate processes, which tensor parallelism needs), "batches": [{"prompts": [token id lists],
-"max_tokens", "min_tokens", optional "extra_args": [one SamplingParams.extra_args per prompt], optional "abort":
+"max_tokens", "min_tokens", optional "extra_args": [one SamplingParams.extra_args per prompt], optional "lora": a LoRA
+adapter's folder (every request of the batch runs with it), optional "structured": StructuredOutputsParams
+arguments (e.g. {"regex": ...}) for every request of the batch, optional "abort":
 {"after_steps", "requests": [indices]}: those requests are aborted, optional "arrivals": [the step at which each
 request is added], "priorities": [vLLM priority per request], "max_tokens" a list (one per request); any of these
 steps the engine by hand, "max_steps" (default 5000) then bounds the steps: a stalled engine fails the run;
 "frontend_checks": false sends the batch through `LLM.generate` without trikv's front-end checks (what reaches the
 engine is then the engine's to refuse); "resumable": true adds each prompt as a streaming-input session, straight
 to the engine}], "probe": true (in-process) records, at every step with rounds, what the runner's persistent
-buffers hold (`vllm_probe.py`), "schedule_records": true (in-process, trikv) records every step's schedule}.
+buffers hold (`vllm_probe.py`), "schedule_records": true (in-process, trikv) records every step's schedule, "kv_scales": {"k", "v"} (in-process) sets
+every attention layer's fp8 KV scales before the first batch, "record_keys": a path (in-process, trikv) where the keys
+the full-attention layers hand vLLM's KV write are saved, by request, layer and position}.
 RESULT: per batch the prompt, generated token ids, finish and stop reasons of every request (with
 "schedule_records", the batch's steps: {request id: [first token computed, tokens scheduled, full-attention blocks
 it holds for the step, its offset (logical - physical tokens) for the step]} per step), then every rank's round
-records and statistics (in-process: the pool's free blocks at the end; with "probe": the probe's findings).
+records and statistics (in-process: the pool's free blocks at the end and each KV cache group's page bytes, block
+size and layers; with "probe": the probe's findings).
 """
 
 from __future__ import annotations
@@ -74,12 +79,30 @@ def run(spec: dict) -> dict:
         import vllm_probe
 
         llm.collective_rpc(vllm_probe.install)
+    if spec.get("kv_scales"):
+        import vllm_probe
+
+        llm.collective_rpc(vllm_probe.set_kv_scales, args=(spec["kv_scales"]["k"], spec["kv_scales"]["v"]))
+    if spec.get("record_keys"):
+        import vllm_probe
+
+        llm.collective_rpc(vllm_probe.record_keys)
     steps = _record_schedules(llm) if spec.get("schedule_records") else None
     for batch in spec["batches"]:
         params = [SamplingParams(max_tokens=count, min_tokens=batch.get("min_tokens", count), temperature=0.0, ignore_eos=True)
                   for count in (batch["max_tokens"] if isinstance(batch["max_tokens"], list) else [batch["max_tokens"]] * len(batch["prompts"]))]
         for request_params, extra_args in zip(params, batch.get("extra_args", [])):  # a request's own trikv budget
             request_params.extra_args = extra_args
+        if batch.get("structured"):  # vLLM's structured output (a grammar over the generated text)
+            from vllm.sampling_params import StructuredOutputsParams
+
+            for request_params in params:
+                request_params.structured_outputs = StructuredOutputsParams(**batch["structured"])
+        lora = None
+        if batch.get("lora"):
+            from vllm.lora.request import LoRARequest
+
+            lora = LoRARequest("adapter", 1, batch["lora"])
         started = time.perf_counter()
         if batch.get("resumable"):
             requests = _resumable_by_hand(llm, batch, params, TokensPrompt)
@@ -87,7 +110,8 @@ def run(spec: dict) -> dict:
             requests = _step_by_hand(llm, batch, params, TokensPrompt)
         else:
             with _frontend_checks(batch.get("frontend_checks", True)):
-                outputs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in batch["prompts"]], params, use_tqdm=False)
+                outputs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in batch["prompts"]], params, use_tqdm=False,
+                                       lora_request=lora)
             requests = [{"request_id": out.request_id, "prompt": list(out.prompt_token_ids), "tokens": list(out.outputs[0].token_ids),
                          "finish_reason": out.outputs[0].finish_reason, "stop_reason": out.outputs[0].stop_reason}
                         for out in outputs]
@@ -96,11 +120,18 @@ def run(spec: dict) -> dict:
             result["batches"][-1]["schedule"] = list(steps)
             steps.clear()
     if in_process:  # every block back in the pool once all requests ended (finished, aborted or preempted)
-        result["free_blocks_at_end"] = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+        scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+        result["free_blocks_at_end"] = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+        result["kv_groups"] = [{"page_size_bytes": group.kv_cache_spec.page_size_bytes, "block_size": group.kv_cache_spec.block_size,
+                                "layers": len(group.layer_names)} for group in scheduler.kv_cache_config.kv_cache_groups]
     if spec.get("probe"):
         import vllm_probe
 
         result["probe"] = llm.collective_rpc(vllm_probe.findings)
+    if spec.get("record_keys"):
+        import vllm_probe
+
+        result["keys_written"] = llm.collective_rpc(vllm_probe.keys_written, args=(spec["record_keys"],))[0]
     if extra:
         result["rounds"] = llm.collective_rpc("trikv_rounds")  # one list per rank
         result["stats"] = llm.collective_rpc("trikv_stats")

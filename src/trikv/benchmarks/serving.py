@@ -43,12 +43,15 @@ def add_arguments(parser) -> None:
                         help="bounded runs: the first prompts' lengths spread over this many tokens, so that their rounds do "
                              "not fall due on one step (default: --divide-length; 0 aligns every request's rounds)")
     parser.add_argument("--max-rounds-per-step", type=int,
-                        help="bounded runs: trikv's max_rounds_per_step (at most this many rounds start per step)")
+                        help="bounded runs: trikv's max_rounds_per_step (at most this many rounds start per step; default trikv's: "
+                             "max(4, ceil(2 x concurrency / divide_length)); the concurrency itself lets every due round run)")
     parser.add_argument("--window", type=float, default=150.0, help="seconds measured in steady state (default 150)")
     parser.add_argument("--warmup-max", type=float, default=600.0, help="longest warm-up before the window (default 600 s)")
     parser.add_argument("--settle", type=float, default=30.0,
                         help="full attention: seconds between the pool first filling and the window (default 30)")
     parser.add_argument("--modes", default="offline", help="comma-separated: offline (vllm.LLM) and/or http (`trikv serve`)")
+    parser.add_argument("--url", help="--modes http: drive the server already answering at this URL (a `trikv serve` started with "
+                                      "this command's settings: one method, budget and concurrency) instead of starting one")
     parser.add_argument("--in-process", action="store_true",
                         help="offline runs: vLLM's engine core and worker inside this process, one run after another "
                              "(starts in seconds; the default runs each in its own processes, as vLLM is deployed)")
@@ -113,6 +116,8 @@ def _spec(args, config: dict, mode: str, out: Path, port: int) -> dict:
         "warmup_max": args.warmup_max, "window": args.window, "mode": mode, "port": port,
         "log": str(out / f"{_label(config)}-{mode}.server.log"), "in_process": args.in_process and mode == "offline",
     }
+    if mode == "http" and args.url:
+        spec["url"] = args.url
     if args.beyond_trained_context:
         spec["max_position_embeddings"] = args.length
     if config["method"] != "full":
@@ -171,6 +176,8 @@ def main(args) -> int:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not modes or set(modes) - {"offline", "http"}:
         raise ValueError(f"--modes takes offline and/or http, got {args.modes!r}")
+    if args.url and (modes != ["http"] or len(configs) != 1 or args.max_batch):
+        raise ValueError("--url drives one running server: --modes http and one method, budget and concurrency, without --max-batch")
     runs = []
     started = time.perf_counter()
     if args.max_batch:

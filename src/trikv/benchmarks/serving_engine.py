@@ -238,8 +238,25 @@ def _compacted(llm) -> set[str]:
     return {request_id.split("-")[0] for request_id in llm.collective_rpc("trikv_stats")[0]["compacted_running"]}
 
 
+def server_command(spec: dict) -> list[str]:
+    """The `trikv serve` (vLLM OpenAI server) command of an http run: the run's pool, block size, length,
+    concurrency and trikv settings."""
+    import trikv.vllm
+
+    from ..models import resolve_model_path
+
+    args = [sys.executable, "-m", "trikv.vllm.launch", "serve", resolve_model_path(spec["model"]), "--port", str(spec["port"]),
+            "--served-model-name", "model", "--dtype", spec["dtype"], "--enforce-eager", "--block-size", str(spec["block_size"]),
+            "--max-model-len", str(spec["length"]), "--num-gpu-blocks-override", str(spec["pool_blocks"]),
+            "--max-num-seqs", str(spec["concurrency"]), "--max-num-batched-tokens", str(spec["max_batched_tokens"])]
+    if spec.get("trikv"):
+        args += trikv.vllm.serve_flags(**spec["trikv"])
+    return args
+
+
 def run_http(spec: dict) -> dict:
-    """The same protocol against `trikv serve` (vLLM's OpenAI-compatible server), streamed completions."""
+    """The same protocol against `trikv serve` (vLLM's OpenAI-compatible server), streamed completions: a server
+    started for the run (`server_command`), or the one answering at `spec["url"]`."""
     import subprocess
     import urllib.request
 
@@ -247,21 +264,20 @@ def run_http(spec: dict) -> dict:
 
     from ..models import resolve_model_path
 
-    port = spec["port"]
-    import trikv.vllm
-
-    args = [sys.executable, "-m", "trikv.vllm.launch", "serve", resolve_model_path(spec["model"]), "--port", str(port),
-            "--served-model-name", "model", "--dtype", spec["dtype"], "--enforce-eager", "--block-size", str(spec["block_size"]),
-            "--max-model-len", str(spec["length"]), "--num-gpu-blocks-override", str(spec["pool_blocks"]),
-            "--max-num-seqs", str(spec["concurrency"]), "--max-num-batched-tokens", str(spec["max_batched_tokens"])]
-    if spec.get("trikv"):
-        args += trikv.vllm.serve_flags(**spec["trikv"])
     log_path = Path(spec["log"])
     started = time.perf_counter()
-    with open(log_path, "w") as log:
-        server = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    server = None
+    if spec.get("url"):
+        base = spec["url"].rstrip("/")
+        with urllib.request.urlopen(f"{base}/v1/models", timeout=30) as response:  # the name it serves the model by
+            model_name = json.loads(response.read())["data"][0]["id"]
+    else:
+        base, model_name = f"http://127.0.0.1:{spec['port']}", "model"
+        with open(log_path, "w") as log:
+            server = subprocess.Popen(server_command(spec), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        wait_ready(server, port, log_path, timeout=spec.get("warmup_max", 600) + 600)
+        if server is not None:
+            wait_ready(server, spec["port"], log_path, timeout=spec.get("warmup_max", 600) + 600)
         startup = time.perf_counter() - started
         tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(spec["model"]))
         first = _prompts(spec, tokenizer)
@@ -276,9 +292,9 @@ def run_http(spec: dict) -> dict:
                 request_id = f"r{counter[0]}"
                 counter[0] += 1
                 tracker.add(request_id)
-            body = {"model": "model", "prompt": prompt, "max_tokens": spec["length"] - len(prompt), "temperature": 0,
+            body = {"model": model_name, "prompt": prompt, "max_tokens": spec["length"] - len(prompt), "temperature": 0,
                     "ignore_eos": True, "stream": True}
-            request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body).encode(),
+            request = urllib.request.Request(f"{base}/v1/completions", data=json.dumps(body).encode(),
                                              headers={"Content-Type": "application/json"})
             with urllib.request.urlopen(request, timeout=3600) as response:
                 for line in response:
@@ -321,7 +337,8 @@ def run_http(spec: dict) -> dict:
         result.update({"startup_seconds": startup, "warmup_seconds": window_start - warm_start, "requests_started": counter[0]})
         return result
     finally:
-        stop_server(server)
+        if server is not None:
+            stop_server(server)
 
 
 def wait_ready(server, port: int, log_path: Path, timeout: float = 600) -> None:

@@ -27,7 +27,9 @@ def _add_settings(parser, default_model: str | None) -> None:
     parser.add_argument("--allow-full-requests", action="store_true",
                         help='let a request choose full attention (vllm_xargs {"trikv_budget": "full"})')
     parser.add_argument("--max-rounds-per-step", type=int,
-                        help="start at most this many compaction rounds per step; others wait up to one block (default: no limit)")
+                        help="start at most this many compaction rounds per step; decoding requests past it wait up to one block "
+                             "(default: max(4, ceil(2 max_num_seqs / divide_length)): four rounds cost about one decode "
+                             "step at 8B-model shapes)")
     parser.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
                         help="method option, e.g. recent_window=8 (JSON values; repeatable)")
     parser.add_argument("--model", default=default_model,

@@ -134,7 +134,8 @@ class Compactor:
     def chunk_bytes(self, requests: int, layers: int, heads: int, slots: int, head_dim: int, element_size: int,
                     index_bytes: int) -> int:
         """Planned transient bytes of scoring and moving `requests` x `layers` x `heads` with `slots` slots per
-        (layer, KV head): per entry, the gathered key (cache dtype), position (int64), masks and score (~12
+        (layer, KV head): per entry, the gathered key (`element_size` bytes per dimension: the cache's element, and
+        for an fp8 cache its float32 decoding too, `PageCodec.key_bytes`), position (int64), masks and score (~12
         bytes), the kept order (int64) and the policy's own workspace (`round_bytes_per_entry`); per (request,
         head, slot), shared by the layers, `index_bytes` of key and value storage indices
         (`RowPlan.index_bytes_per_slot`: one int64 per row of consecutive elements)."""
@@ -193,8 +194,10 @@ class Compactor:
         kv_caches: list[torch.Tensor],
         codecs: list[PageCodec],
         block_ids: dict[str, list[int]],
+        key_scales: list[torch.Tensor | None] | None = None,
     ) -> None:
-        """Compact every request of `rounds` in place; `block_ids` are each request's blocks before the round."""
+        """Compact every request of `rounds` in place; `block_ids` are each request's blocks before the round;
+        `key_scales`: for an fp8 cache, each layer's key scale (a device tensor), by which its keys are read."""
         if not rounds:
             return
         started = time.perf_counter()
@@ -226,11 +229,12 @@ class Compactor:
                  *block_ids[op.request_id][:widest], *[0] * (widest - min(widest, len(block_ids[op.request_id])))]
                 for op in ordered]
         host = torch.tensor(rows, dtype=torch.long)  # [R, 4 + widest]
-        header = _upload(host, device)  # the round's one host-to-device copy
+        header = upload(host, device)  # the round's one host-to-device copy
         cap = self.round_workspace_bytes - host.numel() * host.element_size()
         index_bytes = codecs[0].plan(kv_caches[0]).index_bytes_per_slot
+        scales = list(key_scales) if key_scales is not None else [None] * L
         for blocks, budget, first, group in spans:
-            chunk = self.plan(len(group), L, H, blocks * block_size, codecs[0].head_dim, kv_caches[0].element_size(),
+            chunk = self.plan(len(group), L, H, blocks * block_size, codecs[0].head_dim, codecs[0].key_bytes(kv_caches[0]),
                               index_bytes, cap)
             kept = [self.kept_positions.get(op.request_id) for op in group]
             kept = [k if k is not None else torch.empty(L, H, budget, dtype=torch.int32, device=device) for k in kept]
@@ -240,7 +244,7 @@ class Compactor:
                     for head in range(0, H, chunk.heads):
                         self._compact(group[start:stop], header[first + start : first + stop], blocks, budget,
                                       slice(layer, min(L, layer + chunk.layers)), slice(head, min(H, head + chunk.heads)),
-                                      kv_caches, codecs, kept[start:stop])
+                                      kv_caches, codecs, kept[start:stop], scales)
             for op, positions in zip(group, kept):
                 if op.request_id not in self.kept_positions:
                     self.compacted_requests += 1
@@ -252,9 +256,11 @@ class Compactor:
         self.seconds += time.perf_counter() - started
 
     def _compact(self, rounds: list[CompactionOp], header: torch.Tensor, blocks: int, budget: int, layers: slice,
-                 heads: slice, kv_caches: list[torch.Tensor], codecs: list[PageCodec], kept: list[torch.Tensor]) -> None:
+                 heads: slice, kv_caches: list[torch.Tensor], codecs: list[PageCodec], kept: list[torch.Tensor],
+                 scales: list[torch.Tensor | None]) -> None:
         """One chunk: requests `rounds` (their uploaded `header` rows [r, 4 + widest]) with `blocks` blocks each,
-        layers `layers`, KV heads `heads`; their kept positions go to `kept` ([L, Hkv, budget] int32 each)."""
+        layers `layers`, KV heads `heads`; their kept positions go to `kept` ([L, Hkv, budget] int32 each); `scales`:
+        each layer's key scale for an fp8 cache."""
         block_size = codecs[0].block_size
         device = kv_caches[0].device
         N = blocks * block_size
@@ -279,8 +285,8 @@ class Compactor:
         dead = positions < 0
         protected = protected_entries(positions, t, prompt, budget, self.policy.recent_window, self.min_decode_room,
                                       self.protect_prompt) & ~dead
-        keys = torch.stack([codec.gather(cache, table, where(codec, cache), keys_only=True)
-                            for codec, cache in zip(codecs[layers], kv_caches[layers])])  # [l, r, h, N, D]
+        keys = torch.stack([codec.read_keys(cache, where(codec, cache), scale)
+                            for codec, cache, scale in zip(codecs[layers], kv_caches[layers], scales[layers])])  # [l, r, h, N, D]
         context = ScoringContext(
             keys=keys,
             values=None,  # the methods served inside vLLM score keys only
@@ -304,9 +310,10 @@ class Compactor:
             codec.move(cache, table, order[index], where(codec, cache))  # kept entries into slots [0, budget)
 
 
-def _upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """`host` on `device` without waiting for the device: from pinned memory on CUDA (the copy is queued on the
-    stream, ahead of the kernels that read it)."""
+def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`host` on `device` without waiting for the device: on CUDA from pinned (page-locked) memory, so the copy is
+    queued on the stream ahead of the kernels that read it (from pageable memory CUDA copies through a staging
+    buffer and the host waits); on CPU the tensor itself."""
     if device.type == "cpu":
         return host
     if device.type == "cuda":

@@ -24,7 +24,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-_DIGIT = 16  # codes stay small integers, exact in every float dtype a KV cache uses
+_DIGIT = 16  # codes stay small integers, exact in every float dtype a KV cache uses (bf16: up to 256)
+_FP8_DIGIT = 8  # fp8 e5m2 holds the integers up to 8 exactly (e4m3 up to 16)
 
 
 @dataclass
@@ -33,11 +34,17 @@ class PageCodec:
 
     key_offsets / value_offsets: [Hkv, N, D] long, the index in `page.flatten()` of key/value dimension d of
     slot n of KV head h (N = block size).
+
+    quantised: for an fp8 KV cache (vLLM's `kv_cache_dtype` fp8, fp8_e4m3, fp8_e5m2: uint8 pages), the fp8 format
+    its bytes hold; None for a cache of plain floats. A quantised entry is its bytes and the layer's scale (one per
+    layer and tensor, `layer._k_scale`): rounds move the bytes as they are (the scale stays the layer's), and score
+    keys read back as bytes x scale (`read_keys`), what attention reads.
     """
 
     key_offsets: torch.Tensor
     value_offsets: torch.Tensor
     block_size: int
+    quantised: torch.dtype | None = None
     _plans: dict = field(default_factory=dict, repr=False, compare=False)  # (shape, strides, device) -> RowPlan
 
     @property
@@ -49,9 +56,14 @@ class PageCodec:
         return self.key_offsets.shape[2]
 
     @classmethod
-    def learn(cls, write, kv_cache: torch.Tensor, num_heads: int, block_size: int, head_dim: int) -> "PageCodec":
+    def learn(cls, write, kv_cache: torch.Tensor, num_heads: int, block_size: int, head_dim: int,
+              quantised: torch.dtype | None = None, key_dtype: torch.dtype | None = None) -> "PageCodec":
         """Learn the page arrangement of `kv_cache` ([num_blocks, ...]); `write(key, value, scratch, slot_mapping)`
-        must store key/value [n, Hkv, D] at the slots of a one-block scratch cache shaped like `kv_cache`."""
+        must store key/value [n, Hkv, D] (dtype `key_dtype`, default the cache's) at the slots of a one-block scratch
+        cache shaped like `kv_cache`. For an fp8 cache `quantised` is its format: `write` quantises with scales of 1,
+        so the small integer codes written land exactly, and the bytes read back are decoded in that format."""
+        base = _DIGIT if quantised is None else _FP8_DIGIT
+        key_dtype = kv_cache.dtype if key_dtype is None else key_dtype
         scratch = kv_cache[:1].clone()
         page_elements = scratch[0].numel()
         slots = torch.arange(block_size, device=kv_cache.device)
@@ -60,7 +72,7 @@ class PageCodec:
             "head": torch.arange(num_heads, device=kv_cache.device)[None, :, None].expand(block_size, num_heads, head_dim),
             "dim": torch.arange(head_dim, device=kv_cache.device)[None, None, :].expand(block_size, num_heads, head_dim),
         }
-        digits = max(1, math.ceil(math.log(max(block_size, num_heads, head_dim), _DIGIT)))
+        digits = max(1, math.ceil(math.log(max(block_size, num_heads, head_dim), base)))
         decoded = {}
         for part in ("key", "value"):
             found = {}
@@ -68,14 +80,15 @@ class PageCodec:
                 total = torch.zeros(page_elements, dtype=torch.long, device=kv_cache.device)
                 present = None
                 for digit in range(digits):
-                    code = (values // _DIGIT**digit) % _DIGIT + 1  # 1..16; 0 marks elements not written
-                    coded = code.to(kv_cache.dtype)
+                    code = (values // base**digit) % base + 1  # 1..base; 0 marks elements not written
+                    coded = code.to(key_dtype)
                     zero = torch.zeros_like(coded)
                     scratch.zero_()
                     write(coded if part == "key" else zero, zero if part == "key" else coded, scratch, slots)
-                    page = scratch[0].flatten().float().round().long()
+                    page = scratch[0].flatten()
+                    page = (page if quantised is None else page.view(quantised)).float().round().long()
                     present = page > 0 if present is None else present & (page > 0)
-                    total += (page - 1).clamp_min(0) * _DIGIT**digit
+                    total += (page - 1).clamp_min(0) * base**digit
                 found[quantity] = total
             decoded[part] = (present, found)
         offsets = {}
@@ -91,7 +104,7 @@ class PageCodec:
             if bool((table < 0).any()):
                 raise RuntimeError(f"cannot read this vLLM KV cache layout: two {part} elements share one page offset")
             offsets[part] = table
-        codec = cls(offsets["key"], offsets["value"], block_size)
+        codec = cls(offsets["key"], offsets["value"], block_size, quantised)
         codec.plan(kv_cache)  # worked out here, at start-up, so that rounds read nothing back from the device
         return codec
 
@@ -109,7 +122,7 @@ class PageCodec:
     def to(self, device) -> "PageCodec":
         """This codec for caches of the same arrangement on `device`: the offsets and the plans worked out so far
         move along (a plan is read on the host once; its copy on another device needs no reading)."""
-        moved = PageCodec(self.key_offsets.to(device), self.value_offsets.to(device), self.block_size)
+        moved = PageCodec(self.key_offsets.to(device), self.value_offsets.to(device), self.block_size, self.quantised)
         for (shape, stride, _), plan in self._plans.items():
             moved._plans[(shape, stride, moved.key_offsets.device)] = RowPlan(
                 *(replace(layout, firsts=layout.firsts.to(device)) for layout in (plan.keys, plan.values)))
@@ -130,6 +143,21 @@ class PageCodec:
         located = located if located is not None else self.locate(block_table, kv_cache)
         keys = located.keys.gather(kv_cache)
         return keys if keys_only else (keys, located.values.gather(kv_cache))
+
+    def read_keys(self, kv_cache: torch.Tensor, located: "Located", scale: torch.Tensor | None = None) -> torch.Tensor:
+        """The keys of `located` blocks as a round scores them: [R, h, nb * N, D] in the cache's dtype, or, for an
+        fp8 cache, its bytes decoded in their format (float32) times the layer's key scale (`scale`, a device
+        tensor: nothing is read back), which is what attention reads."""
+        keys = located.keys.gather(kv_cache)
+        if self.quantised is None:
+            return keys
+        keys = keys.view(self.quantised).to(torch.float32)
+        return keys if scale is None else keys * scale.to(torch.float32)
+
+    def key_bytes(self, kv_cache: torch.Tensor) -> int:
+        """Bytes per key element a round holds while it scores: the cache's element, plus its float32 decoding for
+        an fp8 cache."""
+        return kv_cache.element_size() + (4 if self.quantised is not None else 0)
 
     def move(self, kv_cache: torch.Tensor, block_table: torch.Tensor, order: torch.Tensor, located=None) -> None:
         """In place: slot i of every request and KV head takes the key and value of slot order[r, h, i]

@@ -13,10 +13,16 @@ Prefill: the rule of trikv's transformers and MLX caches. A bounded request whos
 budget + divide_length gets at most `prefill_chunk_size` tokens per step (or vLLM's own per-step cap, when
 smaller), and the rounds above run between its chunks whenever it reaches budget + divide_length; a shorter
 prefill runs as vLLM schedules it and is compacted after it, if due. So no bounded request ever holds more than
-`request_bound` entries (budget + divide_length + one chunk, plus one block with `max_rounds_per_step`), whatever
-its prompt's length: it is admitted for that many blocks, not its whole prompt, and the KV spec vLLM checks its
-pool with at start-up counts a request at that bound (`capacity.py`), so a pool smaller than max_model_len serves
+`request_bound` entries (budget + divide_length + one chunk, or one block where a block is larger), whatever its
+prompt's length: it is admitted for that many blocks, not its whole prompt, and the KV spec vLLM checks its pool
+with at start-up counts a request at that bound (`capacity.py`), so a pool smaller than max_model_len serves
 prompts up to max_model_len. Engines without chunked prefill are refused at start-up (`check_engine_config`).
+
+Round waves: requests that fall due on the same step (a batch started together) would all be compacted in it, a
+step as long as many decode steps. At most `BoundedKVSettings.rounds_per_step` rounds start per step (default 4,
+from the cost of a round at 8B-model shapes: about a quarter of a decode step each); a decoding request past the
+limit decodes on, a token a step, until the step that would give it a block past budget + divide_length + one
+block, and is compacted then whatever the limit; a request still prefilling never waits.
 
 Preemption: vLLM drops a preempted request's blocks and later recomputes its whole history (prompt and output so
 far) as a prefill, under the same rule: a request preempted at 30K tokens is readmitted for its bound, not for
@@ -107,6 +113,7 @@ class TriKVScheduler(Scheduler):
         self._trikv_block = self._trikv_manager.block_size
         self._trikv_bounds: dict[int, int] = {}  # budget -> request_bound
         self._trikv_chunk = self.trikv.prefill_step_tokens(max_step_tokens(vllm_config))  # tokens per prefill step
+        self._trikv_rounds_per_step = self.trikv.rounds_per_step(vllm_config.scheduler_config.max_num_seqs)
         # the most tokens one full-attention request can hold in this pool (prompt and output)
         self._trikv_full_capacity = self._largest_request_fitting(self.kv_cache_manager.block_pool.num_gpu_blocks - 1)
         count_physical(self._trikv_manager, self.trikv_offsets, self._admission_cap)
@@ -221,18 +228,19 @@ class TriKVScheduler(Scheduler):
         return rounds
 
     def _spread(self, due: list) -> list:
-        """The due requests compacted in this step: all of them, or with `max_rounds_per_step` at most that many
-        (the longest first) plus every request that cannot wait: one that would need a block past budget +
-        divide_length + one block. The others wait a few steps, so rounds that fall due together do not all
-        land on one step."""
-        limit = self.trikv.max_rounds_per_step
-        if limit is None or len(due) <= limit:
+        """The due requests compacted in this step: all of them when they are at most the step's limit
+        (`BoundedKVSettings.rounds_per_step`), else that many (the longest first) plus every request that cannot
+        wait: one still prefilling (its next chunk would land on top of an uncompacted cache) and one that would
+        need a block past budget + divide_length + one block. The others decode a few more tokens first, so rounds
+        that fall due together do not all land on one step."""
+        if len(due) <= self._trikv_rounds_per_step:
             return due
         due = sorted(due, key=lambda item: -item[2])
-        waits = [length < self.trikv.round_trigger(budget) + self._trikv_block for _, budget, length in due]
+        waits = [request.num_tokens - request.num_computed_tokens <= 1
+                 and length < self.trikv.round_trigger(budget) + self._trikv_block for request, budget, length in due]
         must = [item for item, can_wait in zip(due, waits) if not can_wait]
         rest = [item for item, can_wait in zip(due, waits) if can_wait]
-        return must + rest[: max(0, limit - len(must))]
+        return must + rest[: max(0, self._trikv_rounds_per_step - len(must))]
 
     def _bound(self, budget: int) -> int:
         """The most entries a request bounded at `budget` holds (`capacity.request_bound`)."""
@@ -291,15 +299,15 @@ class TriKVScheduler(Scheduler):
         budget = self.trikv.largest_request_budget
         bound = self._bound(budget)
         per_request = self._blocks_for(bound, self.max_model_len)
-        late = " + one block (max_rounds_per_step)" if self.trikv.max_rounds_per_step is not None else ""
         full = (f"; a full-attention request holds at most {min(self._trikv_full_capacity, self.max_model_len):,} tokens "
                 "(prompt and output)" if self.trikv.allow_full_requests else "")
         log.info("trikv: a bounded request (budget up to %d) holds at most %d KV entries per layer and KV head, whatever its "
-                 "length (budget + divide_length %d + prefill chunk %d%s, at most max_model_len %d): %d blocks of the pool's "
-                 "%d usable ones, so the pool holds %d such requests at once%s. vLLM's 'KV cache size' and 'Maximum "
-                 "concurrency' lines count requests at this bound, not at max_model_len",
-                 budget, bound, self.trikv.divide_length, self._trikv_chunk, late, self.max_model_len, per_request, usable,
-                 usable // per_request, full)
+                 "length (budget + divide_length %d + the larger of a prefill chunk %d and a block %d, at most max_model_len "
+                 "%d): %d blocks of the pool's %d usable ones, so the pool holds %d such requests at once%s; at most %d "
+                 "rounds start per step. vLLM's 'KV cache size' and 'Maximum concurrency' lines count requests at this "
+                 "bound, not at max_model_len",
+                 budget, bound, self.trikv.divide_length, self._trikv_chunk, self._trikv_block, self.max_model_len,
+                 per_request, usable, usable // per_request, full, self._trikv_rounds_per_step)
 
     def finish_requests(self, request_ids, finished_status):
         """vLLM's, and an abort of a refused request drops its pending error output (the client stopped waiting)."""

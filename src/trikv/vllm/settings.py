@@ -21,6 +21,12 @@ REQUEST_KEY_PREFIX = "trikv"  # every extra_args key of trikv's starts with it; 
 # the smallest budget a server or a request may set: below it a round keeps fewer entries than StreamingLLM's 4
 # attention sinks plus a dozen recent tokens, and generated text degrades to noise
 MIN_BUDGET = 16
+# The default cap on the rounds one step starts, from what a round costs next to a step. At 8B-model shapes (32
+# layers, 8 KV heads, head_dim 128, bf16, B = 2048) one request's round is 3 chunks and about 2.4 ms of an H200
+# (docs/vllm-cuda.md: 64 requests due plan 192 chunks, ~154 ms estimated), while a decode step of 64 such requests
+# reads about 3.3 ms of weights and 3.8 ms of KV: 4 rounds cost about one decode step, so a step that starts them
+# takes at most about twice as long as one without, where a wave of 64 due together would cost about 20 steps.
+ROUNDS_PER_STEP = 4
 
 
 class SettingsError(ValueError):
@@ -70,8 +76,9 @@ class BoundedKVSettings:
     round_workspace_bytes: int = DEFAULT_ROUND_WORKSPACE_BYTES
     max_request_budget: int | None = None  # largest budget a request may ask for (None: `budget`)
     allow_full_requests: bool = False  # a request may ask for full attention ("full")
-    # at most this many rounds start in one step (None: every due request); a request waits at most until its
-    # KV would need a block past budget + divide_length + one block, then it is compacted whatever the limit
+    # at most this many rounds start in one step (None: trikv's default, `rounds_per_step`); a decoding request due
+    # beyond the limit waits while it holds fewer than budget + divide_length + one block entries, then it is
+    # compacted whatever the limit; a request still prefilling never waits (its next chunk needs the round first)
     max_rounds_per_step: int | None = None
     # the most tokens one step prefills of a request that would otherwise pass budget + divide_length
     prefill_chunk_size: int = DEFAULT_PREFILL_CHUNK_SIZE
@@ -137,16 +144,27 @@ class BoundedKVSettings:
         token cap (`max_step_tokens`) when that is smaller."""
         return min(self.prefill_chunk_size, max_step_tokens)
 
+    def rounds_per_step(self, max_num_seqs: int) -> int:
+        """The most rounds the scheduler starts in one step: `max_rounds_per_step`, else trikv's default: the
+        round-cost cap `ROUNDS_PER_STEP` (4), raised to twice the average rate at which `max_num_seqs` running
+        requests fall due (each every divide_length tokens) so that waiting rounds never pile up into a wave at
+        their deadline: max(4, ceil(2 max_num_seqs / divide_length))."""
+        if self.max_rounds_per_step is not None:
+            return self.max_rounds_per_step
+        return max(ROUNDS_PER_STEP, -(-2 * max_num_seqs // self.divide_length))
+
     def peak_entries(self, budget: int, block_size: int, max_step_tokens: int) -> int:
         """The most KV entries per (layer, KV head) a request bounded at `budget` ever holds inside vLLM.
 
         A round runs before a step that finds the request at budget + divide_length, and a step adds at most one
         prefill chunk (`prefill_step_tokens`): budget + divide_length + chunk (`trikv.settings.peak_entries_bound`,
-        the transformers path's bound). With `max_rounds_per_step` a due round may wait while the request stays
-        within one more block (`block_size`), so the bound grows by that block. The scheduler's admission cap,
-        its prefill chunks and the KV spec vLLM sizes its pool with at start-up all read this one bound."""
-        late = block_size if self.max_rounds_per_step is not None else 0
-        return peak_entries_bound(budget, self.divide_length, self.prefill_step_tokens(max_step_tokens)) + late
+        the transformers path's bound). A decoding request whose round waits for the step's limit
+        (`rounds_per_step`) grows one token a step while it holds fewer than budget + divide_length + one block
+        (`block_size`), so the bound is budget + divide_length + the larger of the chunk and the block. The
+        scheduler's admission cap, its prefill chunks and the KV spec vLLM sizes its pool with at start-up all read
+        this one bound."""
+        step = max(self.prefill_step_tokens(max_step_tokens), block_size)
+        return peak_entries_bound(budget, self.divide_length, step)
 
     @property
     def lowest_request_budget(self) -> int:

@@ -3,12 +3,12 @@
 trikv subclasses vLLM's scheduler, worker and model runner and overrides private methods, so it is tied to
 one vLLM minor release (SUPPORTED_VLLM). Features that would silently break a compacted cache are refused:
 prefix caching (shared blocks would be rewritten), speculative decoding (unverified tokens in the count),
-pipeline / context parallelism, KV connectors, quantised KV caches, the V2 model runner, CUDA graph modes that
-capture attention (FULL, FULL_DECODE_ONLY, FULL_AND_PIECEWISE: a replayed graph reads the sequence lengths it was
-captured with), an engine without chunked prefill (trikv prefills a long prompt, or a preempted request's
-history, in chunks compacted between them), a front end without trikv's request checks, models whose every layer
-slides. Hybrid models (Gemma-3) are bounded in their full-attention layers; their sliding-window layers stay
-vLLM's.
+pipeline / context parallelism, KV connectors, quantised KV caches other than fp8 with per-layer scales, the V2
+model runner, CUDA graph modes that capture attention (FULL, FULL_DECODE_ONLY, FULL_AND_PIECEWISE: a replayed graph
+reads the sequence lengths it was captured with), an engine without chunked prefill (trikv prefills a long prompt,
+or a preempted request's history, in chunks compacted between them), a front end without trikv's request checks,
+models whose every layer slides. Hybrid models (Gemma-3) are bounded in their full-attention layers; their
+sliding-window layers stay vLLM's.
 """
 
 from __future__ import annotations
@@ -35,6 +35,25 @@ class UnsupportedEngineError(ValueError):
 # what trikv's engine arguments set: attention (and the KV writes) outside CUDA graphs, the rest of a step in them
 CUDAGRAPH_MODE = "PIECEWISE"
 V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
+
+
+# vLLM's kv_cache_dtype values trikv reads: the model's dtype, and fp8 with one key and one value scale per layer
+SUPPORTED_KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+
+
+def fp8_format(cache_dtype: str) -> "torch.dtype | None":
+    """The fp8 format whose bytes an fp8 KV cache holds (vLLM stores them as uint8): e5m2 for fp8_e5m2, the
+    platform's e4m3 (`current_platform.fp8_dtype()`: fnuz on some ROCm GPUs) for fp8 and fp8_e4m3; None for 'auto'."""
+    import torch
+    from vllm.platforms import current_platform
+
+    if cache_dtype == "auto":
+        return None
+    if cache_dtype == "fp8_e5m2":
+        return torch.float8_e5m2
+    if cache_dtype in ("fp8", "fp8_e4m3"):
+        return current_platform.fp8_dtype()
+    raise UnsupportedEngineError(f"KV cache dtype {cache_dtype!r} is not read by trikv")
 
 
 def graph_mode_problem(compilation_config) -> str | None:
@@ -90,8 +109,10 @@ def check_engine_config(vllm_config, settings: BoundedKVSettings | None) -> None
     problems = []
     if cache_config.enable_prefix_caching:
         problems.append("prefix caching is on (compaction rewrites blocks other requests may share): pass enable_prefix_caching=False / --no-enable-prefix-caching")
-    if cache_config.cache_dtype != "auto":
-        problems.append(f"KV cache dtype {cache_config.cache_dtype!r}: trikv compacts unquantised KV only (kv_cache_dtype='auto')")
+    if cache_config.cache_dtype not in SUPPORTED_KV_CACHE_DTYPES:
+        problems.append(f"KV cache dtype {cache_config.cache_dtype!r}: trikv compacts the model's own dtype ('auto') and fp8 "
+                        f"with one scale per layer ({', '.join(SUPPORTED_KV_CACHE_DTYPES[1:])}); formats with scales per "
+                        "token, head or block of values are not read")
     if vllm_config.speculative_config is not None:
         problems.append("speculative decoding is not supported with a compacted cache")
     if parallel.pipeline_parallel_size != 1:

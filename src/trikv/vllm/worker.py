@@ -38,10 +38,10 @@ from ..calibration import load_stats
 from ..fast import accelerate
 from ..geometry import RopeGeometry
 from .capacity import BoundedFullAttentionSpec, bounded_kv_cache_specs, request_bound
-from .compactor import Compactor, StepPlan, request_state_bytes
+from .compactor import Compactor, StepPlan, request_state_bytes, upload
 from .pages import PageCodec
 from .settings import BoundedKVSettings, SettingsError
-from .support import UnsupportedEngineError, check_model, graph_mode_problem
+from .support import UnsupportedEngineError, check_model, fp8_format, graph_mode_problem
 
 log = logging.getLogger(__name__)
 
@@ -83,8 +83,10 @@ class BoundedKVRunner:
             raise RuntimeError(f"vLLM's full-attention KV cache group holds layers {list(found)}, the model config's "
                                f"full-attention layers are {list(layers)}")
         context = self.compilation_config.static_forward_context
+        quantised = fp8_format(self.cache_config.cache_dtype)
         self._trikv_caches = []
         self._trikv_codecs = []
+        self._trikv_key_scales = []  # fp8 caches: each layer's key scale, read at every round (vLLM may set it late)
         learnt: dict = {}
         for layer_index, name in zip(found, names):
             layer = context[name]
@@ -94,11 +96,12 @@ class BoundedKVRunner:
             key = (tuple(cache.shape[1:]), cache.stride(), cache.dtype, getattr(layer, "isa", None))
             if key not in learnt:
 
-                def write(keys, values, scratch, slots, layer=layer):
+                def write(keys, values, scratch, slots, layer=layer if quantised is None else _UnitScales(layer)):
                     layer.impl.do_kv_cache_update(layer, keys, values, scratch, slots)
 
                 try:
-                    learnt[key] = PageCodec.learn(write, cache, num_kv_heads, spec.block_size, head_dim)
+                    learnt[key] = PageCodec.learn(write, cache, num_kv_heads, spec.block_size, head_dim, quantised,
+                                                  self.model_config.dtype)
                 except RuntimeError as error:
                     layout = getattr(self.cache_config, "kv_cache_layout", None) or "the backend's own"
                     raise RuntimeError(
@@ -107,6 +110,7 @@ class BoundedKVRunner:
                     ) from None
             self._trikv_caches.append(cache)
             self._trikv_codecs.append(learnt[key])
+            self._trikv_key_scales.append(layer._k_scale if quantised is not None else None)
         for attn_group in self.attn_groups[self._trikv_group]:
             _physical_metadata(attn_group, self)
 
@@ -135,7 +139,7 @@ class BoundedKVRunner:
             return
         group = self._trikv_group
         block_ids = {op.request_id: self.requests[op.request_id].block_ids[group] for op in plan.rounds}
-        compactor.run(plan.rounds, self._trikv_caches, self._trikv_codecs, block_ids)
+        compactor.run(plan.rounds, self._trikv_caches, self._trikv_codecs, block_ids, self._trikv_key_scales)
         for op in plan.rounds:
             state = self.requests[op.request_id]
             del state.block_ids[group][op.kept_blocks :]
@@ -150,6 +154,15 @@ class BoundedKVRunner:
             self._trikv_shift(scheduler_output.total_num_scheduled_tokens)
         return result
 
+    def _build_attention_metadata(self, *args, **kwargs):
+        """vLLM's, with the step's microbatch slices at hand for the full-attention group's metadata wrapper
+        (`_physical_metadata`): vLLM passes them to this method alone (keyword `ubatch_slices`)."""
+        self._trikv_ubatch_slices = kwargs.get("ubatch_slices")
+        try:
+            return super()._build_attention_metadata(*args, **kwargs)
+        finally:
+            self._trikv_ubatch_slices = None
+
     def _trikv_shift(self, total_tokens: int) -> None:
         """KV slots of the new tokens of compacted requests in physical terms, in the full-attention group's block
         table (positions stay logical); the sequence lengths follow in that group's metadata (`_physical_metadata`)."""
@@ -158,7 +171,7 @@ class BoundedKVRunner:
         if not bool(offsets.any()):
             return
         self._trikv_row_offsets = offsets
-        token_offsets = _to_device(offsets, self.positions.device)[self.req_indices.gpu[:total_tokens].long()]  # [tokens]
+        token_offsets = upload(offsets, self.positions.device)[self.req_indices.gpu[:total_tokens].long()]  # [tokens]
         physical = self.positions[:total_tokens] - token_offsets
         # written in place into the group's persistent slot-mapping buffer (what the KV writes read)
         self.input_batch.block_table[self._trikv_group].compute_slot_mapping(
@@ -173,34 +186,56 @@ class BoundedKVRunner:
 def _physical_metadata(attn_group, runner) -> None:
     """Wrap the metadata building of an attention group of the full-attention KV cache group: a compacted
     request's sequence length there is its physical entry count (logical - offset); the other groups build
-    theirs from vLLM's logical lengths."""
+    theirs from vLLM's logical lengths.
+
+    With microbatching (`--enable-dbo`, `ubatch_size > 1`) vLLM builds each microbatch's metadata from a slice of
+    the step's (`split_attn_metadata`): its row i is the step's row `request_slice.start + i`, so the offsets are
+    taken from there (`_microbatch_first_row`), not from the step's first row."""
     build = attn_group.build_metadata
 
-    def build_physical(common_attn_metadata, *args, **kwargs):
+    def build_physical(common_attn_metadata, ubatch_idx: int = 0, *args, **kwargs):
         offsets = getattr(runner, "_trikv_row_offsets", None)
         if offsets is not None:
             rows = common_attn_metadata.num_reqs
-            shift = torch.zeros(rows, dtype=torch.int64)
-            shift[: min(rows, len(offsets))] = offsets[:rows]
-            seq_lens = common_attn_metadata.seq_lens - _to_device(shift, common_attn_metadata.seq_lens.device).to(
+            first = _microbatch_first_row(runner, ubatch_idx)
+            shift = torch.zeros(rows, dtype=torch.int64)  # padded rows past the step's requests: no offset
+            mine = offsets[first : first + rows]
+            shift[: len(mine)] = mine
+            seq_lens = common_attn_metadata.seq_lens - upload(shift, common_attn_metadata.seq_lens.device).to(
                 common_attn_metadata.seq_lens.dtype)
             upper = common_attn_metadata.seq_lens_cpu_upper_bound
             if upper is not None:
                 upper = upper - shift.to(upper.dtype)
             common_attn_metadata = replace(common_attn_metadata, seq_lens=seq_lens, seq_lens_cpu_upper_bound=upper,
                                            max_seq_len=int(upper.max()) if upper is not None else int(seq_lens.max()))
-        return build(common_attn_metadata, *args, **kwargs)
+        return build(common_attn_metadata, ubatch_idx, *args, **kwargs)
 
     attn_group.build_metadata = build_physical
 
 
-def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A small host tensor on `device` without waiting for the device (pinned, queued on the stream on CUDA)."""
-    if device.type == "cpu":
-        return host
-    if device.type == "cuda":
-        host = host.pin_memory()
-    return host.to(device, non_blocking=True)
+def _microbatch_first_row(runner, ubatch_idx: int) -> int:
+    """The step's row of the first request of microbatch `ubatch_idx` (0 without microbatching): the start of its
+    request slice, as vLLM's `split_attn_metadata` cut it (a request split across two microbatches is the first
+    row of the second one too)."""
+    slices = getattr(runner, "_trikv_ubatch_slices", None)
+    if not slices:
+        return 0
+    return slices[ubatch_idx].request_slice.start
+
+
+class _UnitScales:
+    """An attention layer as its KV write sees it, with key and value scales of 1 (every attribute else the layer's
+    own): the codes `PageCodec.learn` writes through a quantising KV write then land exactly in the fp8 format,
+    whatever scales the layer has (vLLM's CPU kernel rounds toward zero: 3 / 0.7 x 0.7 need not come back as 3)."""
+
+    def __init__(self, layer):
+        self._layer = layer
+        self._k_scale = self._v_scale = torch.ones_like(layer._k_scale)
+        self._k_scale_float = self._v_scale_float = 1.0
+        self._k_scale_cpu = self._v_scale_cpu = torch.ones((), dtype=torch.float32)
+
+    def __getattr__(self, name):
+        return getattr(self._layer, name)
 
 
 _RUNNER_CLASSES: dict[type, type] = {}
@@ -227,7 +262,8 @@ class TriKVWorker(_PlatformWorker):
 
         if not isinstance(self.model_runner, GPUModelRunner):
             raise RuntimeError(
-                f"trikv supports vLLM's V1 model runner, not {type(self.model_runner).__name__}; "
+                f"trikv supports vLLM's V1 model runner, not {type(self.model_runner).__module__}."
+                f"{type(self.model_runner).__name__}; "
                 "set VLLM_USE_V2_MODEL_RUNNER=0"
             )
         self.model_runner.__class__ = bounded_runner_class(type(self.model_runner))
@@ -323,7 +359,7 @@ def check_round_floor(compactor: Compactor, cache: torch.Tensor, codec: PageCode
     """Refuse a round workspace smaller than the smallest chunk a round over `entries` entries per (layer, KV head)
     needs (the worker passes trikv's bound at the largest request budget: no round sees more)."""
     slots = -(-entries // codec.block_size) * codec.block_size
-    floor = compactor.floor_bytes(layers, codec.num_heads, slots, codec.head_dim, cache.element_size(),
+    floor = compactor.floor_bytes(layers, codec.num_heads, slots, codec.head_dim, codec.key_bytes(cache),
                                   codec.plan(cache).index_bytes_per_slot)
     if floor > compactor.round_workspace_bytes:
         raise SettingsError(
