@@ -1,7 +1,9 @@
 """Project results page from saved analyses: `python -m trikv.analysis.docs RUN/analysis.json ... --out docs/analysis.md`.
 
 Every number on the page is read from the JSON files (nothing typed by hand); a few plots of each run are
-copied next to the page so it renders on its own.
+copied next to the page so it renders on its own. The page opens with the shared header
+(`trikv.benchmarks.report_pages.page_header`): what was measured, the main figure, and per model whether
+TriAttention's premise holds by the verdict's thresholds.
 """
 
 from __future__ import annotations
@@ -11,8 +13,11 @@ import json
 import shutil
 from pathlib import Path
 
+from ..benchmarks.report_pages import command_line, page_header
 from ..models import REGISTRY
 from .report import PAPER, _num, _pct, summary_lines, verdict
+
+DEFAULT_TITLE = "Q/K concentration analysis of the bundled models"
 
 NOTES = [
     "## How to read these numbers",
@@ -32,13 +37,48 @@ NOTES = [
 PLOTS_FOR_DOCS = ("concentration_heatmap", "reconstruction_hist", "reconstruction_examples", "scatter_pre_post")
 
 
+def _premise_target(result: dict) -> tuple[str, bool]:
+    """The verdict's premise check as a target: met where it holds (strong concentration and mean r >= 0.5)."""
+    return (f"premise holds on {result['meta']['model_name']} (>= 80% of query heads R > 0.9 weighted, mean r >= 0.5)",
+            result["verdict"]["premise"] == "holds")
+
+
+def _header(results: list[tuple[Path, dict]], command: str, title: str, kept: list[str]) -> list[str]:
+    """The page's header: the models measured, their share of concentrated heads and reconstruction r (averages over
+    each run's texts, as in the overview), and the premise per model. `kept`: models whose sections an update kept
+    from the earlier page; the box does not cover them, and says so."""
+    names = [result["meta"]["model_name"] for _, result in results]
+    tokens = sum(text["tokens"] for _, result in results for text in result["texts"].values())
+    dtypes = ", ".join(sorted({result["meta"].get("dtype", "float32") for _, result in results}))
+    measured = (f"pre-RoPE Q/K concentration, reconstruction of distance preferences and stability across texts of "
+                f"{', '.join(names)} ({tokens:,} tokens in all, {dtypes} on CPU)")
+    if kept:
+        measured += f"; the sections of {', '.join(kept)} were kept from the earlier page and are not in this box"
+    averages = [(name, _averages(result)) for name, (_, result) in zip(names, results)]
+    r_values = [a["r"] for _, a in averages]
+    shares = ", ".join(f"{name} {_pct(a['q_w']['share_gt_0.9'])}" for name, a in averages)
+    figure = (f"query heads with R > 0.9 (band-weighted): {shares}; r (mean logit) {_num(min(r_values), 2)}"
+              + (f"-{_num(max(r_values), 2)}" if len(r_values) > 1 else ""))
+    return page_header(title, command, measured, figure, [_premise_target(result) for _, result in results],
+                       [result["meta"].get("commit") for _, result in results])
+
+
+def _averages(result: dict) -> dict:
+    """Concentration and reconstruction figures averaged over a run's texts."""
+    texts = result["texts"].values()
+    mean = lambda values: sum(values) / len(values)  # noqa: E731
+    keys = ("share_gt_0.9", "share_gt_0.95", "mean")
+    return {"q_w": {k: mean([t["concentration"]["summary"]["q_weighted"][k] for t in texts]) for k in keys},
+            "q_p": {k: mean([t["concentration"]["summary"]["q_plain"][k] for t in texts]) for k in keys},
+            "r": mean([t["reconstruction"]["summary"]["mean_r"] for t in texts])}
+
+
 def _overview_row(result: dict) -> str:
     meta = result["meta"]
     texts = result["texts"].values()
     mean = lambda values: sum(values) / len(values)  # noqa: E731
-    q_w = {k: mean([t["concentration"]["summary"]["q_weighted"][k] for t in texts]) for k in ("share_gt_0.9", "share_gt_0.95", "mean")}
-    q_p = {k: mean([t["concentration"]["summary"]["q_plain"][k] for t in texts]) for k in ("share_gt_0.9", "share_gt_0.95", "mean")}
-    r = mean([t["reconstruction"]["summary"]["mean_r"] for t in texts])
+    averages = _averages(result)
+    q_w, q_p, r = averages["q_w"], averages["q_p"], averages["r"]
     per_query = [t["reconstruction"].get("per_query_summary", {}).get("mean_r") for t in texts]
     per_query = mean(per_query) if all(v is not None for v in per_query) else None
     pairs = result["stability"]["pairs"]
@@ -53,9 +93,9 @@ def _overview_row(result: dict) -> str:
     )
 
 
-def write_docs(json_paths: list[str | Path], out: str | Path, title: str = "Q/K concentration analysis of the bundled models",
-               update: bool = False) -> Path:
-    """Write the page for these runs; with `update`, replace or add only their models in the existing page."""
+def write_docs(json_paths: list[str | Path], out: str | Path, title: str = DEFAULT_TITLE, update: bool = False) -> Path:
+    """Write the page for these runs; with `update`, replace or add only their models in the existing page (the
+    header is regenerated for this invocation's runs and names the models whose sections it kept)."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     assets = out.with_suffix("")  # docs/analysis.md -> docs/analysis/
@@ -65,11 +105,14 @@ def write_docs(json_paths: list[str | Path], out: str | Path, title: str = "Q/K 
         result = json.loads(path.read_text())
         result["verdict"] = verdict(result)
         results.append((path, result))
+    command = command_line("python", "-m", "trikv.analysis.docs", *json_paths, "--out", out,
+                           *(["--title", title] if title != DEFAULT_TITLE else []), *(["--update"] if update else []))
+    names = {result["meta"]["model_name"] for _, result in results}
+    earlier = _split(out.read_text())[1] if update and out.exists() else {}
+    kept = [name for name in _overview_rows(earlier.get("Overview", [])) if name not in names]
     lines = [
-        f"# {title}",
-        "",
-        "Generated by `python -m trikv.analysis.docs` from the `analysis.json` of each `trikv analyze` run; "
-        "do not edit by hand. Each run streams the shipped texts (code, math, prose; see "
+        *_header(results, command, title, kept),
+        "Each run's `analysis.json` is read as it is. Each run streams the shipped texts (code, math, prose; see "
         "`src/trikv/data/analysis_texts/README.md`) through the model in float32 on CPU.",
         "",
         "## Overview",
@@ -153,9 +196,10 @@ def _overview_rows(section: list[str]) -> dict[str, str]:
 
 def merge_pages(old: str, new: str) -> str:
     """The page `old` with the models of `new` replaced (overview row and section) or added: regenerating one
-    model's analysis leaves the sections of the models not rerun as they were generated."""
-    old_head, old_sections = _split(old)
-    _, new_sections = _split(new)
+    model's analysis leaves the sections of the models not rerun as they were generated. The head (title,
+    generated line, headline box, introduction) is `new`'s: it says how this page was made."""
+    _, old_sections = _split(old)
+    new_head, new_sections = _split(new)
     rows = _overview_rows(old_sections.get("Overview", []))
     rows.update(_overview_rows(new_sections.get("Overview", [])))
     overview, placed = [], False
@@ -171,17 +215,18 @@ def merge_pages(old: str, new: str) -> str:
     for title, section in new_sections.items():
         if title != "Overview":
             merged[title] = section
-    return "\n".join(old_head + [line for section in merged.values() for line in section])
+    return "\n".join(new_head + [line for section in merged.values() for line in section])
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trikv.analysis.docs", description=__doc__)
     parser.add_argument("json", nargs="+", help="analysis.json files of `trikv analyze` runs")
     parser.add_argument("--out", default="docs/analysis.md", help="Markdown page to write (plots go to a folder of the same name)")
+    parser.add_argument("--title", default=DEFAULT_TITLE, help=f"the page's title (default: {DEFAULT_TITLE})")
     parser.add_argument("--update", action="store_true",
                         help="replace or add only these runs' models in the existing page, keeping the other models' sections")
     args = parser.parse_args(argv)
-    print(write_docs(args.json, args.out, update=args.update))
+    print(write_docs(args.json, args.out, args.title, update=args.update))
     return 0
 
 

@@ -66,7 +66,9 @@ def verdict(result: dict) -> dict:
         if partly
         else "TriAttention's premise does not hold for this model: its pre-RoPE vectors are not concentrated enough to predict attention from centres."
     )
-    return {"overall": overall, "concentration": concentration, "reconstruction": reconstruction, "stability": stability}
+    premise = "holds" if holds else "holds in part" if partly else "does not hold"
+    return {"overall": overall, "concentration": concentration, "reconstruction": reconstruction, "stability": stability,
+            "premise": premise}
 
 
 def _summary_table(result: dict) -> list[str]:

@@ -12,6 +12,7 @@ import torch
 
 from .. import __version__
 from ..architectures import shape_metadata
+from ..benchmarks.report_pages import repository_commit
 from .capture import AnalysisShape, analysis_shape
 from .concentration import concentration, concentration_summary, distribution_summary
 from .measure import TextStats, log_distances, make_chunks, measure_chunks, sample_head_vectors
@@ -271,6 +272,7 @@ def run_analysis(
             "texts": text_meta,
             "trikv_version": __version__,
             "command": command,
+            "commit": repository_commit(),
         },
         "reference_text": reference,
         "texts": result_texts,

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from . import register_bench
 from ..settings import DEFAULT_DIVIDE_LENGTH
+from .report_pages import repository_commit
 
 TARGET_RATIO = 2.5  # output tokens/s of B=512 over full attention at 32 concurrent 8K generations
 
@@ -193,6 +194,7 @@ def main(args) -> int:
     _add_ratios(runs)
     record = {
         "command": "trikv bench serve " + " ".join(sys.argv[3:]) if sys.argv[1:3] == ["bench", "serve"] else None,
+        "commit": repository_commit(),
         "settings": {k: v for k, v in vars(args).items() if k != "func"},
         "pool_blocks": _spec(args, configs[0], "offline", out, 0)["pool_blocks"],
         "trained_positions": trained,

@@ -1,8 +1,10 @@
-"""`trikv bench serve-report`: a Markdown page (docs/serving.md) from `trikv bench serve` folders.
+"""`trikv bench serve-report`: a Markdown page (docs/serving*.md) from `trikv bench serve` folders.
 
 The target is evaluated from the recorded numbers: at a pool that fits `pool_requests` full-attention
 requests, the bounded method at B=512 and 32 concurrent requests reaches TARGET_RATIO x the output
-throughput of full attention at the same concurrency. Nothing is typed in.
+throughput of full attention at the same concurrency. Nothing is typed in. The page opens with the shared
+header (`report_pages.page_header`); its title, unless given, is derived from the runs (methods, concurrency,
+request length, model, mode), so pages of different runs do not share one.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .report_pages import embed_plot
+from .report_pages import command_line, embed_plot, page_header
 from .serving import TARGET_RATIO, format_max_batch, format_table
 
 MAX_BATCH_TARGET_RATIO = 3.0  # bounded engine's best output tokens/s over full attention's best, both at max batch
@@ -97,27 +99,113 @@ def _bound_lines(record: dict) -> list[str]:
     return lines
 
 
-def write_serving_report(folders: list[str | Path], out: str | Path) -> Path:
+def _load(folder: Path) -> dict:
+    path = folder / "serving.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"no serving.json in {folder}")
+    return json.loads(path.read_text())
+
+
+def _numbers(values) -> str:
+    """8 / 16 / 32 -> '8-32' from three on, '8/16' for two, '8' for one (thousands separated)."""
+    values = sorted(set(values))
+    if len(values) > 2:
+        return f"{values[0]:,}-{values[-1]:,}"
+    return "/".join(f"{value:,}" for value in values)
+
+
+def default_title(records: list[dict]) -> str:
+    """The page's title from its runs: the methods, the concurrency (fixed, or each engine's best where the runs
+    climb to their own best), the request length, the models and the modes."""
+    runs = [run for record in records for run in record["runs"]]
+    budgets: dict[str, set] = {}
+    for run in runs:
+        budgets.setdefault(run["method"], set()).add(run["budget"])
+    methods = " vs ".join("full attention" if method == "full" else f"{method} B={'/'.join(map(str, sorted(b)))}"
+                          for method, b in sorted(budgets.items(), key=lambda item: (item[0] != "full", item[0])))
+    fixed = [run["concurrency"] for record in records if not record.get("max_batch") for run in record["runs"]]
+    where = " and ".join(([f"{_numbers(fixed)} concurrent"] if fixed else [])
+                         + (["each one's best concurrency"] if any(record.get("max_batch") for record in records) else []))
+    lengths = _numbers(record["settings"]["length"] for record in records)
+    models = ", ".join(sorted({record["settings"]["model"] for record in records}))
+    modes = ", ".join(sorted({run["mode"] for run in runs}))
+    return f"trikv inside vLLM: {methods} at {where}, {lengths}-token requests ({models}, {modes})"
+
+
+def _label(run: dict) -> str:
+    return run["method"] if run["budget"] is None else f"{run['method']} B={run['budget']}"
+
+
+def _figure(named: list[tuple[str, dict]]) -> str:
+    """The main figure: the bounded engine's best throughput over full attention's (at each one's best
+    concurrency, else at the same concurrency); where full attention was not measured, the fastest run's
+    output tokens/s and its time per output token."""
+    best_batch = [(entry["best_vs_full_best"], name, record, entry) for name, record in named
+                  for entry in record.get("max_batch") or [] if entry.get("best_vs_full_best") is not None]
+    if best_batch:
+        ratio, name, record, entry = max(best_batch, key=lambda item: item[0])
+        return (f"{_label(entry)} at its best concurrency ({entry['best_concurrency']}) serves x{ratio:.2f} full "
+                f"attention's best output tokens/s ({record['settings']['length']:,}-token requests, `{name}`)")
+    fixed = [(run["throughput_vs_full"], name, record, run) for name, record in named
+             for run in record["runs"] if run.get("throughput_vs_full") is not None and run["budget"] is not None]
+    if fixed:
+        ratio, name, record, run = max(fixed, key=lambda item: item[0])
+        return (f"{_label(run)} at {run['concurrency']} concurrent serves x{ratio:.2f} full attention's output tokens/s "
+                f"at the same concurrency ({record['settings']['length']:,}-token requests, {run['mode']}, `{name}`)")
+    name, record, run = max(((name, record, run) for name, record in named for run in record["runs"]),
+                            key=lambda item: item[2]["output_tokens_per_second"])
+    tpot = run["tpot_seconds"]
+    latency = (f", time per output token p50 {_seconds(tpot['p50'])} / p99 {_seconds(tpot['p99'])}"
+               if tpot.get("p50") is not None else "")
+    return (f"{_label(run)} at {run['concurrency']} concurrent: {run['output_tokens_per_second']:.1f} output tokens/s"
+            f"{latency} (`{name}`, the fastest run; full attention not measured)")
+
+
+def _header(named: list[tuple[str, dict]], command: str, title: str) -> list[str]:
+    records = [record for _, record in named]
+    pools = _numbers(record["settings"]["pool_requests"] for record in records)
+    runs = sum(len(record["runs"]) for record in records)
+    measured = (f"output tokens/s, TTFT and TPOT of vLLM engines ({_numbers(r['machine']['cpus'] for r in records)} CPU "
+                f"cores) serving concurrent greedy generations from a KV pool of {pools} full-length requests: {runs} "
+                f"run{'s' if runs != 1 else ''} in {len(named)} folder{'s' if len(named) != 1 else ''}")
+    checked = [(f"`{name}`: {target}" if len(named) > 1 else target, ok)
+               for name, record in named for target, _, ok in target_rows(record)]
+    return page_header(title, command, measured, _figure(named), checked, [record.get("commit") for record in records])
+
+
+def _check_title_is_new(title: str, out: Path) -> None:
+    """Two pages never share a title: a page beside `out` (another Markdown file in its folder) that opens with the
+    same title is an error that asks for `--title`."""
+    for page in sorted(out.parent.glob("*.md")):
+        if page.resolve() == out.resolve():
+            continue
+        with page.open(encoding="utf-8") as handle:
+            first = handle.readline().rstrip("\n")
+        if first == f"# {title}":
+            raise ValueError(f"{page} already has the title {title!r}: give this page its own with --title")
+
+
+def write_serving_report(folders: list[str | Path], out: str | Path, title: str | None = None) -> Path:
+    """The page for these run folders: the header (title derived from the runs unless given), then one section
+    per folder with its target, table and what bounds its runs."""
     out = Path(out)
     assets = out.parent / f"{out.stem}_files"
     assets.mkdir(parents=True, exist_ok=True)
-    lines = ["# trikv inside vLLM: serving throughput", "",
-             "Generated by `trikv bench serve-report` from `trikv bench serve` folders; do not edit by hand. Each row",
-             "is one vLLM engine (vLLM's CPU build on this machine) with the same fixed KV pool, serving N concurrent",
-             "greedy generations of `length` tokens each; a finished request is replaced at once. The window opens in",
-             "each engine's steady regime. With trikv, a request's cost stops depending on its age once compacted: the",
-             "first requests start short and the window opens when all of them have been compacted. Full attention's",
-             "steady state has ages spread over [0, length) and the pool full: slot i's first request carries a",
-             "prompt of i/N x length tokens (a request that has run that long) and the window opens `settle` seconds",
-             "after the pool first fills. TTFT counts requests whose first token falls in the window; TPOT is the",
-             "time between consecutive tokens of a request. See `trikv/benchmarks/serving_engine.py`.", ""]
-    for index, folder in enumerate(folders):
+    named = [(Path(folder).resolve().name, _load(Path(folder))) for folder in folders]
+    command = command_line("trikv", "bench", "serve-report", *folders, "--out", out, *(["--title", title] if title else []))
+    heading = title or default_title([record for _, record in named])
+    _check_title_is_new(heading, out)
+    lines = _header(named, command, heading) + [
+        "Each row is one vLLM engine (vLLM's CPU build on this machine) with the same fixed KV pool, serving N",
+        "concurrent greedy generations of `length` tokens each; a finished request is replaced at once. The window opens",
+        "in each engine's steady regime. With trikv, a request's cost stops depending on its age once compacted: the",
+        "first requests start short and the window opens when all of them have been compacted. Full attention's",
+        "steady state has ages spread over [0, length) and the pool full: slot i's first request carries a",
+        "prompt of i/N x length tokens (a request that has run that long) and the window opens `settle` seconds",
+        "after the pool first fills. TTFT counts requests whose first token falls in the window; TPOT is the",
+        "time between consecutive tokens of a request. See `trikv/benchmarks/serving_engine.py`.", ""]
+    for index, (folder, (name, record)) in enumerate(zip(folders, named)):
         folder = Path(folder)
-        path = folder / "serving.json"
-        if not path.is_file():
-            raise FileNotFoundError(f"no serving.json in {folder}")
-        record = json.loads(path.read_text())
-        name = folder.resolve().name
         settings = record["settings"]
         lines += [f"## Run `{name}`", "",
                   f"- command: `{record.get('command') or 'trikv bench serve'}`",
@@ -156,11 +244,18 @@ def write_serving_report(folders: list[str | Path], out: str | Path) -> Path:
 def add_arguments(parser) -> None:
     parser.add_argument("folders", nargs="+", help="`trikv bench serve` output folders (serving.json)")
     parser.add_argument("--out", default="docs/serving.md")
+    parser.add_argument("--title", default=None,
+                        help="the page's title (default: derived from the runs' methods, concurrency, request length, "
+                             "model and mode)")
     parser.set_defaults(func=main)
 
 
 def main(args) -> int:
-    print(f"wrote {write_serving_report(args.folders, args.out)}")
+    try:
+        path = write_serving_report(args.folders, args.out, args.title)
+    except ValueError as error:  # a title another page has: say so without a traceback
+        raise SystemExit(f"trikv bench serve-report: {error}") from None
+    print(f"wrote {path}")
     return 0
 
 

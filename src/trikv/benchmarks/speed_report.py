@@ -1,8 +1,10 @@
-"""`trikv bench speed-report`: a Markdown page from `trikv bench speed` folders, with the issue's targets checked.
+"""`trikv bench speed-report`: a Markdown page from `trikv bench speed` folders, with the targets checked.
 
 Each folder holds a `speed.json` (the grid, the engine check, llama.cpp), a `memory.json` (a long real
 generation, `--memory-run`) or a `whole.json` (whole generations, bounded vs full attention interleaved,
-`--whole-generation`). The targets are evaluated from the numbers in those files, nothing is typed in.
+`--whole-generation`). The targets are evaluated from the numbers in those files, nothing is typed in; the
+page opens with the shared header (`report_pages.page_header`): what was measured, the first run's main
+figure, and every target of every run, met or not.
 """
 
 from __future__ import annotations
@@ -10,12 +12,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .report_pages import embed_plot
+from .report_pages import command_line, embed_plot, page_header
 
 TARGET_EFFICIENCY = 0.75  # achieved speed-up / memory-bound speed-up at 16K and 32K
 TARGET_SCORING_SHARE = 0.05  # scoring + selection share of decode time at B = 2048
 TARGET_P99_OVER_P50 = 2.0
 TARGET_ENGINE_SPEEDUP = 2.0  # lean vs transformers at 2K
+DEFAULT_TITLE = "trikv speed and memory"
+RUN_FILES = ("speed.json", "whole.json", "memory.json")  # what a run folder holds, in the order they are looked for
 
 
 def _status(met: bool | None) -> str:
@@ -99,23 +103,31 @@ def _command(config: dict) -> str:
 
 
 def _memory_section(record: dict) -> list[str]:
+    from .speed.report import memory_bytes_per_token
+
     samples = record["samples"]
     first = next((s for s in samples if s["tokens"] >= 1024), samples[0])
     rss = [s["rss_mb"] for s in samples if s["tokens"] >= first["tokens"]]
     rounds = record.get("rounds")
+    per_token, source = memory_bytes_per_token(record)
     lines = [
         f"- {record['method']} B={record['budget']}, divide_length {record['divide_length']}, {record['engine']} engine: "
         f"{record['tokens']:,} generated tokens (greedy, no EOS stop) in {record['seconds'] / 60:.1f} min, {rounds} rounds",
         f"- most entries per (layer, KV head) at any step: **{record['max_entries_per_layer_head']}** "
         f"(limit B + beta = {record['limit']}) - "
-        + ("within the limit" if record["max_entries_per_layer_head"] <= record["limit"] else "**over the limit**"),
+        + ("within the limit" if _memory_within_limit(record) else "**over the limit**"),
         f"- process RSS from token {first['tokens']:,} on: {min(rss):.0f} - {max(rss):.0f} MiB "
         f"(first sample {samples[0]['rss_mb']:.0f} MiB at token {samples[0]['tokens']}, last {samples[-1]['rss_mb']:.0f} MiB "
-        f"at token {samples[-1]['tokens']:,}); live KV at the end {samples[-1]['kv_bytes'] / 2**20:.1f} MiB",
+        f"at token {samples[-1]['tokens']:,}); live KV at the end {samples[-1]['kv_bytes'] / 2**20:.1f} MiB, where full "
+        f"attention would hold {samples[-1]['tokens'] * per_token / 2**20:.1f} MiB ({per_token:,.0f} bytes per token, {source})",
     ]
     if record.get("command"):
         lines.append(f"- command: `{record['command']}`")
     return lines
+
+
+def _memory_within_limit(record: dict) -> bool:
+    return record["max_entries_per_layer_head"] <= record["limit"]
 
 
 def _whole_section(name: str, record: dict) -> list[str]:
@@ -141,24 +153,95 @@ def _whole_section(name: str, record: dict) -> list[str]:
     return lines
 
 
-def write_speed_report(folders: list[str | Path], out: str | Path, title: str = "trikv speed and memory") -> Path:
+def _load(folder: Path) -> tuple[str, dict]:
+    """(the run file's name, its record) of a run folder."""
+    for file in RUN_FILES:
+        if (folder / file).is_file():
+            return file, json.loads((folder / file).read_text())
+    raise FileNotFoundError(f"no speed.json, whole.json or memory.json in {folder}")
+
+
+def _run_targets(file: str, record: dict) -> list[tuple[str, bool | None]]:
+    """(target, met) of every target the page checks for one run."""
+    if file == "speed.json":
+        return [(target, ok) for target, _, ok in targets(record)]
+    if file == "whole.json":
+        from .speed.whole import whole_targets
+
+        return [(target, ok) for target, _, ok in whole_targets(record)]
+    return [(f"most entries per (layer, KV head) <= B + beta = {record['limit']}", _memory_within_limit(record))]
+
+
+def _measured(file: str, record: dict) -> str:
+    """What one run measured, in a few words."""
+    from .speed.config import _label as run_label
+
+    if file == "memory.json":
+        return f"memory over one {record['tokens']:,}-token generation ({record['method']} B={record['budget']})"
+    results = record["results"]
+    batches = "/".join(map(str, sorted({r["batch"] for r in results})))
+    methods = ", ".join(dict.fromkeys(run_label(r) for r in results))
+    if file == "whole.json":
+        lengths = "/".join(f"{n:,}" for n in sorted({r["new_tokens"] for r in results}))
+        return f"whole {lengths}-token generations of {record['model']['name']}, batch {batches}: {methods}"
+    contexts = sorted({r["context"] for r in results})
+    return (f"decode speed of {record['model']['name']} at {contexts[0]:,}-{contexts[-1]:,} tokens of context, "
+            f"batch {batches}: {methods}")
+
+
+def _figure(file: str, record: dict) -> str | None:
+    """One run's main figure: the bounded cache's best speed-up over full attention at the longest context (or
+    generation), or, for a memory run, its live K/V at the end against full attention's."""
+    from .speed.config import _label as run_label
+    from .speed.report import memory_bytes_per_token
+
+    if file == "memory.json":
+        last = record["samples"][-1]
+        full = last["tokens"] * memory_bytes_per_token(record)[0]
+        return (f"{record['method']} B={record['budget']} holds {last['kv_bytes'] / 2**20:.1f} MiB of K/V after "
+                f"{last['tokens']:,} tokens where full attention holds {full / 2**20:.1f} MiB, "
+                f"x{full / max(last['kv_bytes'], 1):.1f} less")
+    length = "new_tokens" if file == "whole.json" else "context"
+    bounded = [r for r in record["results"] if r["budget"] is not None and r.get("speedup_vs_full") is not None]
+    if not bounded:
+        return None
+    longest = max(r[length] for r in bounded)
+    best = max((r for r in bounded if r[length] == longest), key=lambda r: r["speedup_vs_full"])
+    where = f"over a whole {longest:,}-token generation" if file == "whole.json" else f"at {longest:,} tokens of context"
+    return (f"{run_label(best)} decodes x{best['speedup_vs_full']:.2f} as fast as full attention {where} "
+            f"(batch {best['batch']}, {best['engine']} engine)")
+
+
+def _header(runs: list[tuple[str, str, dict]], command: str, title: str) -> list[str]:
+    """The page's header: what every run measured, the first run's main figure, every run's targets."""
+    several = len(runs) > 1
+    measured = "; ".join(_measured(file, record) for _, file, record in runs)
+    figure = next((f for f in (_figure(file, record) for _, file, record in runs) if f), "no bounded cache was timed")
+    checked = [(f"`{name}`: {target}" if several else target, ok)
+               for name, file, record in runs for target, ok in _run_targets(file, record)]
+    return page_header(title, command, measured, figure, checked, [record.get("commit") for _, _, record in runs])
+
+
+def write_speed_report(folders: list[str | Path], out: str | Path, title: str = DEFAULT_TITLE) -> Path:
+    """The page for these run folders, in their order: the header, then one section per run with its targets."""
     out = Path(out)
     assets = out.parent / f"{out.stem}_files"
     assets.mkdir(parents=True, exist_ok=True)
     from .speed.engines import ENGINE_BLOCK
     from .speed.paired import INTERLEAVE_BLOCK
 
-    lines = [f"# {title}", "",
-             "Generated by `trikv bench speed-report` from the `speed.json` / `whole.json` / `memory.json` of each run",
-             "folder; do not edit by hand. Speed-ups are measured side by side in one process (the runs of a group",
-             f"alternate step by step, the two engines of the engine check in blocks of {ENGINE_BLOCK} steps, the runs of",
-             f"a whole generation in blocks of {INTERLEAVE_BLOCK}); `bound` is the memory-bound speed-up, (weights + KV",
-             "read) / bandwidth, with the bandwidth measured on this machine during the run.", ""]
-    for index, folder in enumerate(folders):
+    runs = [(Path(folder).resolve().name, *_load(Path(folder))) for folder in folders]
+    command = command_line("trikv", "bench", "speed-report", *folders, "--out", out,
+                           *(["--title", title] if title != DEFAULT_TITLE else []))
+    lines = _header(runs, command, title) + [
+        "Each run folder's `speed.json`, `whole.json` or `memory.json` is read as it is. Speed-ups are measured side by",
+        "side in one process (the runs of a group alternate step by step, the two engines of the engine check in",
+        f"blocks of {ENGINE_BLOCK} steps, the runs of a whole generation in blocks of {INTERLEAVE_BLOCK}); `bound` is the",
+        "memory-bound speed-up, (weights + KV read) / bandwidth, with the bandwidth measured on this machine during",
+        "the run.", ""]
+    for index, (folder, (name, file, record)) in enumerate(zip(folders, runs)):
         folder = Path(folder)
-        name = folder.resolve().name
-        if (folder / "speed.json").is_file():
-            record = json.loads((folder / "speed.json").read_text())
+        if file == "speed.json":
             lines += [f"## Run `{name}`", "", f"- command: `{record.get('command') or _command(record['config'])}`",
                       f"- torch {record['machine'].get('torch', '?')}, {record['machine']['threads']} thread(s); "
                       f"process peak RSS {record['process_peak_rss_mb']:.0f} MiB", ""]
@@ -171,27 +254,38 @@ def write_speed_report(folders: list[str | Path], out: str | Path, title: str = 
 
             lines += ["```", format_table(record), "```", ""]
             png = folder / "speed.png"
-        elif (folder / "whole.json").is_file():
-            record = json.loads((folder / "whole.json").read_text())
+        elif file == "whole.json":
             lines += _whole_section(name, record)
             png = folder / "whole.png"
-        elif (folder / "memory.json").is_file():
-            record = json.loads((folder / "memory.json").read_text())
-            lines += [f"## Memory run `{name}`", ""] + _memory_section(record) + [""]
-            png = folder / "memory.png"
         else:
-            raise FileNotFoundError(f"no speed.json, whole.json or memory.json in {folder}")
+            lines += [f"## Memory run `{name}`", ""] + _memory_section(record) + [""]
+            lines += _memory_plot(record, folder, assets, f"{index}_{name}")
+            continue
         if png.is_file():
             lines += embed_plot(png, assets, f"{index}_{name}", name)
     out.write_text("\n".join(lines))
     return out
 
 
+def _memory_plot(record: dict, folder: Path, assets: Path, prefix: str) -> list[str]:
+    """The memory run's plot, drawn here from its memory.json so that a run made before the plot showed full
+    attention shows it too (the folder's own memory.png where matplotlib is missing); the lines that show it."""
+    from .speed.report import plot_memory
+
+    target = assets / f"{prefix}_memory.png"
+    try:
+        plot_memory(record, target)
+    except ImportError:
+        png = folder / "memory.png"
+        return embed_plot(png, assets, prefix, folder.resolve().name) if png.is_file() else []
+    return [f"![{folder.resolve().name}]({assets.name}/{target.name})", ""]
+
+
 def add_arguments(parser) -> None:
     parser.add_argument("folders", nargs="+",
                         help="`trikv bench speed` output folders (speed.json, whole.json or memory.json)")
     parser.add_argument("--out", default="docs/speed.md")
-    parser.add_argument("--title", default="trikv speed and memory")
+    parser.add_argument("--title", default=DEFAULT_TITLE)
     parser.set_defaults(func=main)
 
 

@@ -76,6 +76,7 @@ def main(argv=None) -> int:
     import trikv
     import trikv.mlx
     from trikv.benchmarks.mlx import fidelity, page, speed
+    from trikv.benchmarks.report_pages import repository_commit
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -88,7 +89,8 @@ def main(argv=None) -> int:
     meta = {
         "command": "python -m trikv.benchmarks.mlx " + shlex.join(argv if argv is not None else sys.argv[1:]),
         "machine": platform.node() and "this machine", "cpu": _cpu(), "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__,
-        "date": time.strftime("%Y-%m-%d"), "model": args.model, "dtype": str(dtype).replace("mlx.core.", ""),
+        "date": time.strftime("%Y-%m-%d"), "commit": repository_commit(),
+        "model": args.model, "dtype": str(dtype).replace("mlx.core.", ""),
         "weight_bytes": sum(v.nbytes for _, v in tree_flatten(model.parameters())), "layers": len(model.layers),
         "kv_heads": attention.n_kv_heads, "head_dim": attention.head_dim, "kv_element_bytes": dtype.size,
         "budget": args.budget, "divide_length": args.divide_length, "steps": args.divide_length, "warmup": args.warmup,

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ...selection import prompt_fits
-from ..report_pages import embed_plot
+from ..report_pages import Target, command_line, embed_plot, format_commit, page_header
 
 
 # ---- table helpers -------------------------------------------------------------------------------------
@@ -1024,7 +1025,23 @@ def trace_sampling(record: dict) -> str | None:
     return " / ".join(labels)
 
 
+@dataclass
+class RunsSummary:
+    """The summary's lines and the tally of its headline: TriAttention against the published baselines."""
+
+    lines: list[str]
+    counts: dict[str, int]  # leads / ties / trails over every headline comparison
+    usable_counts: dict[str, int]  # the same on the runs whose inputs stand for what ships now
+    published: list[str]  # the published baselines compared
+    metric: str  # the headline metric, in words
+
+
 def summary_lines(named_records: list[tuple[str, dict]], provenance: dict | None = None) -> list[str]:
+    """The lines of `summarise_runs`."""
+    return summarise_runs(named_records, provenance).lines
+
+
+def summarise_runs(named_records: list[tuple[str, dict]], provenance: dict | None = None) -> RunsSummary:
     """The page's opening summary, computed from the paired intervals of every run. TriAttention *leads* a method
     when the whole 95% interval of (method minus triattention) favours it, *trails* when it favours the method.
 
@@ -1139,7 +1156,7 @@ def summary_lines(named_records: list[tuple[str, dict]], provenance: dict | None
         lines.append(f"Chance: were every published baseline equal to TriAttention, about 5% of the {total} headline "
                      f"comparisons ({0.05 * total:.1f}) would still show a lead or a trail; the comparisons share texts, so "
                      "they are not independent.")
-    return lines
+    return RunsSummary(lines, counts, usable_counts, published, what)
 
 
 def scope_lines(named_records: list[tuple[str, dict]]) -> list[str]:
@@ -1506,6 +1523,75 @@ def _first_registration_lines(preregistration: dict, named_records: list[tuple[s
     return lines
 
 
+def registered_targets(tests: list[dict], named_records: list[tuple[str, dict]]) -> list[Target]:
+    """(what each registered test checks, met) with the outcome computed from the runs on the page, by the test's
+    own rule: the first registration's `candidate >= baseline` on pass@1; a test with a `reading`, per comparison and
+    budget, met when it reads superior or non-inferior, not met when inferior. Outcomes the page cannot compute
+    (not run, interim, answers not on the page) and inconclusive readings are not judged (None)."""
+    records = dict(named_records)
+    targets: list[Target] = []
+    for index, test in enumerate(tests):
+        name = f"`{test.get('id', index + 1)}`"
+        if "reading" not in test:
+            candidate, baseline, budget = test["candidate"], test["baseline"], str(test["budget"])
+            ours = _answers(records, test["run"], test["dataset"], candidate, budget)
+            theirs = _answers(records, test["run"], test["dataset"], baseline, budget)
+            met = None
+            if ours is not None and theirs is not None:
+                shared = [q for q in ours if q in theirs]
+                registered = test.get("problems")
+                if shared and (registered is None or len(shared) >= int(registered)):
+                    met = sum(ours[q] for q in shared) >= sum(theirs[q] for q in shared)
+            targets.append((f"{name}: `{candidate}` pass@1 >= `{baseline}`'s at B={budget}", met))
+            continue
+        problems = registered_problems(test) or []
+        margin = float(test["reading"]["margin"])
+        inferior = "inferior" in (test.get("reading_addendum") or {}) or "inferior" in test["reading"]
+        budgets = [str(test["budget"])] + ([str(test["secondary_budget"])] if test.get("secondary_budget") is not None else [])
+        for budget in budgets:
+            for pair in [test["primary"], *test.get("secondary", [])]:
+                candidate, baseline = pair["candidate"], pair["baseline"]
+                ours = _answers(records, test["run"], test["dataset"], candidate, budget)
+                theirs = _answers(records, test["run"], test["dataset"], baseline, budget)
+                met = None
+                if ours is not None and theirs is not None and problems and all(q in ours and q in theirs for q in problems):
+                    reading = paired_reading([ours[q] - theirs[q] for q in problems], margin, inferior)[3]
+                    met = True if reading in ("superior", "non-inferior") else False if reading == "inferior" else None
+                targets.append((f"{name}: `{candidate}` at least non-inferior to `{baseline}` at B={budget}", met))
+    return targets
+
+
+def recorded_commits(record: dict) -> list[str]:
+    """The distinct commits a run's fingerprints record (the run's own, then its cells'), as the pages print them."""
+    fingerprints = [record.get("fingerprint")] + [cell.get("fingerprint") for cell in (record.get("cells") or {}).values()]
+    commits = [format_commit(f["commit"]["commit"], bool(f["commit"].get("modified")))
+               for f in fingerprints if f and f.get("commit")]
+    return list(dict.fromkeys(commits))
+
+
+def _measured(named: list[tuple[str, dict]]) -> str:
+    """What the runs measured, in one line: tasks, models, methods and budgets."""
+    tasks = sorted({task for _, record in named for task in record["results"]})
+    models = sorted({record["model"]["name"] for _, record in named})
+    methods = {method for _, record in named for method in record["config"]["methods"] if method != "full"}
+    budgets = sorted({int(budget) for _, record in named for budget in record["config"]["budgets"]})
+    return (f"{', '.join(tasks)} of {len(methods)} KV-cache method{'s' if len(methods) != 1 else ''} against full "
+            f"attention on {', '.join(models)}, budget{'s' if len(budgets) != 1 else ''} "
+            f"{', '.join(map(str, budgets))} ({len(named)} run{'s' if len(named) != 1 else ''})")
+
+
+def _figure(summary: RunsSummary) -> str:
+    """The headline tally: how TriAttention fares against the published baselines over every run."""
+    counts, usable = summary.counts, summary.usable_counts
+    total = sum(counts.values())
+    if not total:
+        return f"no headline comparison ({summary.metric} against the published baselines) on these runs"
+    return (f"TriAttention against the {len(summary.published)} published baselines on {summary.metric}: it leads "
+            f"{counts['leads']}, ties {counts['ties']} and trails {counts['trails']} of {total} comparisons"
+            + (f" (on the runs not superseded: leads {usable['leads']}, ties {usable['ties']}, trails {usable['trails']})"
+               if usable != counts else ""))
+
+
 def _concentration_section(named: list[tuple[str, dict]], provenance: dict, assets: Path) -> list[str]:
     """The figure of TriAttention's per-layer lead against query concentration, and what its data support."""
     from . import concentration
@@ -1534,7 +1620,10 @@ def _concentration_section(named: list[tuple[str, dict]], provenance: dict, asse
     return lines
 
 
-def write_report(folders: list[str | Path], out: str | Path, title: str = "trikv quality benchmarks",
+DEFAULT_TITLE = "trikv quality benchmarks"
+
+
+def write_report(folders: list[str | Path], out: str | Path, title: str = DEFAULT_TITLE,
                  preregistration: str | Path | None = None, earlier: str | None = None,
                  replaces: str | None = None) -> Path:
     """Render every run folder into one Markdown page (tables + plots copied beside it), opened by a summary
@@ -1547,24 +1636,31 @@ def write_report(folders: list[str | Path], out: str | Path, title: str = "trikv
 
     named = [(Path(folder).resolve().name, load_run(folder)) for folder in folders]
     provenance = {name: run_provenance(record) for name, record in named}
-    lines = [f"# {title}", "",
-             "Generated by `trikv bench report` from the `results.json` of each run folder; do not edit by hand.",
-             "Teacher-forced tasks feed the known text through each method's cache in schedule-sized chunks",
-             "(identical logits to one-token decoding); `full` is full attention. Every method runs on the same",
-             "schedule, budget accounting and dtype, and protects the prompt under one rule (prompt + "
-             f"{'/'.join(sorted({str(r['config'].get('min_decode_room', 32)) for _, r in named})) or 32} slots <=",
-             "budget, whatever the method's recent window, which then lives in what the prompt leaves); a method",
-             "that ranks by its last queries (SnapKV) sees the text at the round, not a question at the prompt's end.",
-             "Fidelity's headline figures count only the positions after each text's first compression round",
-             "(before it every method equals full attention). Intervals are 95% percentile bootstraps over texts or",
-             f"problems; `{ORACLE_LABEL}` is the selection that keeps, at each of triattention's rounds, the keys all",
-             "later queries attend most (in-sample, on triattention's schedule; not an upper bound at every horizon).",
-             "Math runs name the decode engine that produced them.", ""]
+    runs_summary = summarise_runs(named, provenance)
+    tests = registered_tests(json.loads(Path(preregistration).read_text())) if preregistration else []
+    command = command_line("trikv", "bench", "report", *folders, "--out", out,
+                           *(["--title", title] if title != DEFAULT_TITLE else []),
+                           *(["--preregistration", preregistration] if preregistration else []),
+                           *(["--earlier", earlier] if earlier else []), *(["--replaces", replaces] if replaces else []))
+    lines = page_header(title, command, _measured(named), _figure(runs_summary), registered_targets(tests, named),
+                        [recorded_commits(record) for _, record in named])
+    lines += ["Each run folder's `results.json` is read as it is.",
+              "Teacher-forced tasks feed the known text through each method's cache in schedule-sized chunks",
+              "(identical logits to one-token decoding); `full` is full attention. Every method runs on the same",
+              "schedule, budget accounting and dtype, and protects the prompt under one rule (prompt + "
+              f"{'/'.join(sorted({str(r['config'].get('min_decode_room', 32)) for _, r in named})) or 32} slots <=",
+              "budget, whatever the method's recent window, which then lives in what the prompt leaves); a method",
+              "that ranks by its last queries (SnapKV) sees the text at the round, not a question at the prompt's end.",
+              "Fidelity's headline figures count only the positions after each text's first compression round",
+              "(before it every method equals full attention). Intervals are 95% percentile bootstraps over texts or",
+              f"problems; `{ORACLE_LABEL}` is the selection that keeps, at each of triattention's rounds, the keys all",
+              "later queries attend most (in-sample, on triattention's schedule; not an upper bound at every horizon).",
+              "Math runs name the decode engine that produced them.", ""]
     lines += ["## Scope: what was and was not measured", ""] + [f"- {line}" for line in scope_lines(named)] + [""]
     if earlier:
         lines += [f"Runs made before these rules (a method's recent window counted against the prompt; no intervals) "
                   f"are in [{Path(earlier).name}]({Path(earlier).name}).", ""]
-    summary = summary_lines(named, provenance)
+    summary = runs_summary.lines
     if summary:
         lines += ["## Summary: TriAttention against the published baselines", "",
                   "Computed from the paired intervals in the tables below: TriAttention *leads* a method when the whole",

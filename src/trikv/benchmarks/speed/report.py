@@ -120,3 +120,40 @@ def plot(record: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def memory_bytes_per_token(record: dict) -> tuple[float, str]:
+    """K/V bytes one token costs full attention in a `--memory-run` record, and where the figure comes from: the
+    record's `kv_bytes_per_token` where it has one, else the first sample's live bytes over its entries (before the
+    first round the bounded cache holds every token, as full attention does)."""
+    if record.get("kv_bytes_per_token"):
+        return float(record["kv_bytes_per_token"]), "recorded by the run"
+    first = next(s for s in record["samples"] if s["entries"] > 0)
+    return first["kv_bytes"] / first["entries"], (f"computed: KV bytes / entries at token {first['tokens']:,}; "
+                                                  "the run did not record it")
+
+
+def plot_memory(record: dict, path: Path) -> None:
+    """Process RSS and the bounded cache's live K/V over a `--memory-run` generation, beside what full attention
+    would hold at each length (tokens x K/V bytes per token)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    samples = record["samples"]
+    tokens = [s["tokens"] for s in samples]
+    per_token, source = memory_bytes_per_token(record)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(tokens, [s["rss_mb"] for s in samples], label="process RSS")
+    ax.plot(tokens, [t * per_token / 2**20 for t in tokens], color="black", ls="--",
+            label=f"full attention's KV: tokens x {per_token:,.0f} bytes ({source})")
+    ax.plot(tokens, [s["kv_bytes"] / 2**20 for s in samples], label=f"{record['method']} B={record['budget']}: live KV")
+    ax.set_xlabel("tokens processed")
+    ax.set_ylabel("MiB")
+    ax.set_title(f"{record['method']} B={record['budget']}: memory over a {record['tokens']:,}-token generation")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

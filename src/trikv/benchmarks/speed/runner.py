@@ -13,12 +13,13 @@ from pathlib import Path
 import torch
 
 from ...compat import cache_kwargs
+from ..report_pages import repository_commit
 from .machine import current_rss, kv_bytes_per_token, measure_bandwidth, peak_rss, release_free_memory, weight_bytes_per_step
 from .filling import Filler, make_seed, seed_text_ids
 from .decode import DecodeRun, RunResult, _needs_stats
 from .peers import run_llama_cpp
 from .engines import compare_engines
-from .report import write_outputs
+from .report import plot_memory, write_outputs
 from .config import SpeedConfig, _label, _log, _short
 
 
@@ -132,6 +133,7 @@ def run_speed(config: SpeedConfig, model=None, tokenizer=None, stats=None) -> di
     peer = run_llama_cpp(config, model, seed, filler, results, weight_bytes, bandwidth["gbps"])
     record = {
         "command": config.command,
+        "commit": repository_commit(),
         "config": asdict(config),
         "machine": {"platform": platform.platform(), "processor": platform.processor(), "threads": torch.get_num_threads(),
                     "torch": torch.__version__, "bandwidth": bandwidth, "cpu_count": os.cpu_count()},
@@ -193,29 +195,15 @@ def memory_run(model, tokenizer, stats, method: str, budget: int, tokens: int, d
             if progress and step % (every * 16) == 0:
                 print(f"[speed] memory run {method}: {samples[-1]['tokens']} tokens, RSS {samples[-1]['rss_mb']:.0f} MiB, "
                       f"{samples[-1]['entries']} entries", file=sys.stderr, flush=True)
-    record = {"command": command, "threads": torch.get_num_threads(), "torch": torch.__version__,
+    record = {"command": command, "commit": repository_commit(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+              "kv_bytes_per_token": kv_bytes_per_token(model),  # what full attention holds per token, for the page
               "method": method, "budget": budget, "divide_length": divide_length, "engine": engine, "tokens": tokens,
               "max_entries_per_layer_head": max_entries, "limit": budget + divide_length, "rounds": cache.rounds,
               "samples": samples, "seconds": time.perf_counter() - started}
     out.mkdir(parents=True, exist_ok=True)
     (out / "memory.json").write_text(json.dumps(record, indent=1))
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(7, 4))
-        ax.plot([s["tokens"] for s in samples], [s["rss_mb"] for s in samples], label="process RSS (MiB)")
-        ax.plot([s["tokens"] for s in samples], [s["kv_bytes"] / 2**20 for s in samples], label="live KV (MiB)")
-        ax.set_xlabel("tokens processed")
-        ax.set_ylabel("MiB")
-        ax.set_title(f"{method} B={budget}: memory over a {tokens}-token generation")
-        ax.grid(True, alpha=0.3)
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(out / "memory.png", dpi=120)
-        plt.close(fig)
+        plot_memory(record, out / "memory.png")
     except ImportError:
         pass
     return record

@@ -125,6 +125,7 @@ def run_whole_generation(config: SpeedConfig, model, tokenizer, stats) -> dict:
     """Every (engine, batch, N) group of `config.whole_generation`; returns the record written to whole.json."""
     from ...lean import stock_layout_copy
     from ...policies import REGISTRY
+    from ..report_pages import repository_commit
     from .machine import kv_bytes_per_token, peak_rss, release_free_memory
 
     for method in config.methods:
@@ -175,7 +176,7 @@ def run_whole_generation(config: SpeedConfig, model, tokenizer, stats) -> dict:
                 results.extend(group)
                 del full, bounded
     record = {
-        "command": config.command, "config": asdict(config),
+        "command": config.command, "commit": repository_commit(), "config": asdict(config),
         "machine": {"threads": torch.get_num_threads(), "torch": torch.__version__},
         "model": {"name": config.model, "kv_bytes_per_token": kv_token, "dtype": str(next(model.parameters()).dtype)},
         "prompt": f"{config.prompt_tokens} tokens of the shipped English text per row (row r starts r * 97 tokens in); "
