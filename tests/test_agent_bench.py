@@ -88,9 +88,16 @@ def test_the_limit_ends_full_attention_and_a_bounded_method_completes_under_it(t
     settings = {"model": "tiny", "budget": 128, "limit_tokens": limit_tokens, "max_new_tokens": 4,
                 "version": {"trikv": trikv.__version__, "commit": None}}
     for method, result in ((REFERENCE, reference), ("full", full), ("triattention", bounded)):
-        cells.put("transformers", method, 0, _fingerprint({"method": method}), settings, result)
-    assert cells.get("transformers", "full", 0, _fingerprint({"method": "other"})) is None  # another fingerprint
-    assert cells.get("transformers", "full", 0, _fingerprint({"method": "full"})) == full and cells.reused == ["transformers-full-0.json"]
+        cells.put("transformers", method, 0, _fingerprint({"method": method, **settings}), settings, result)
+    assert cells.get("transformers", "full", 0, {"method": "other", **settings}) is None  # another fingerprint
+    assert cells.get("transformers", "full", 0, {"method": "full", **settings}) == full and cells.reused == ["transformers-full-0.json"]
+    # a cell of other code is reused only when asked for, and named with its commit
+    later = {**settings, "version": {**settings["version"], "commit": "abc1234"}}
+    assert cells.get("transformers", "full", 0, {"method": "full", **later}) is None
+    lenient = Cells(tmp_path, reuse_other_code=True)
+    assert lenient.get("transformers", "full", 0, {"method": "full", **later}) == full
+    assert lenient.reused_other_code == {"transformers-full-0.json": None}
+    assert lenient.get("transformers", "full", 0, {"method": "full", **{**later, "budget": 64}}) is None  # other settings
     (tmp_path / "agent.json").write_text(json.dumps({"config": {**settings, "sessions": 1, "steps": 4, "chunk_tokens": 200,
                                                                 "kv_bytes_per_token": per_token,
                                                                 "cap_bytes": limit_tokens * per_token}}))

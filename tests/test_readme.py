@@ -263,3 +263,22 @@ def test_readme_snippet_runs(index, scratch):
         assert not rule.shrink, "a snippet that claims rounds runs at its written sizes"
         counts = [int(count) for count in re.findall(r"(\d+) rounds", result.stdout)]
         assert counts and min(counts) > 0, f"README snippet {index} printed rounds {counts}:\n{output[-3000:]}"
+
+
+def test_readme_figures_are_what_the_run_files_give(tmp_path):
+    """The README's figures (the "what it saves" table, the KV plot's line, the method advice) are rendered from the
+    run files in docs/runs by `trikv bench readme`: the committed README equals that rendering, every block is
+    filled, and a figure edited by hand makes `--check` fail."""
+    from trikv.benchmarks.readme import BLOCK, render_readme
+
+    readme = (ROOT / "README.md").read_text()
+    blocks = {match.group(2): match.group(3) for match in BLOCK.finditer(readme)}
+    assert set(blocks) == {"plot", "saves", "choose"}
+    assert all(body.strip() for body in blocks.values()), [name for name, body in blocks.items() if not body.strip()]
+    assert render_readme(readme, write_files=False) == readme, "README figures are stale: run `trikv bench readme`"
+    assert (ROOT / "docs" / "readme_files" / "kv_memory.png").stat().st_size > 10_000
+    edited = tmp_path / "README.md"
+    edited.write_text(readme.replace(" tokens/s", " tokens/s ", 1))
+    done = subprocess.run([str(BIN / "trikv"), "bench", "readme", "--readme", str(edited), "--check"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1 and "differ from the run files" in done.stderr, done.stdout + done.stderr

@@ -44,6 +44,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=32, help="tokens per answer (greedy)")
     parser.add_argument("--port", type=int, default=8931, help="vLLM server port")
     parser.add_argument("--out", default="runs/agent", help="output folder (cells, agent.json)")
+    parser.add_argument("--reuse-other-code", action="store_true",
+                        help="reuse finished cells made from the same sessions and settings by another commit of trikv "
+                             "(each cell keeps its own commit, which the page lists)")
     parser.add_argument("--no-progress", action="store_true")
     parser.set_defaults(func=main)
 
@@ -73,21 +76,31 @@ def code_version() -> dict:
 class Cells:
     """The folder of cells: out/cells/<backend>-<method>-<seed>.json, each {fingerprint, settings, result}."""
 
-    def __init__(self, out: Path):
+    def __init__(self, out: Path, reuse_other_code: bool = False):
         self.folder = out / "cells"
         self.folder.mkdir(parents=True, exist_ok=True)
         self.reused: list[str] = []
+        # with reuse_other_code, a cell made from the same session and settings by another commit is reused too
+        # (named in `reused_other_code` with its commit); its own settings keep saying which code made it
+        self.reuse_other_code = reuse_other_code
+        self.reused_other_code: dict[str, str | None] = {}
 
     def path(self, backend: str, method: str, seed: int) -> Path:
         return self.folder / f"{backend}-{method}-{seed}.json"
 
-    def get(self, backend: str, method: str, seed: int, fingerprint: str) -> dict | None:
+    def get(self, backend: str, method: str, seed: int, parts: dict) -> dict | None:
+        """The finished cell made from `parts` (session, settings and code version, as `_fingerprint` hashes
+        them), or None."""
         path = self.path(backend, method, seed)
         if not path.exists():
             return None
         cell = json.loads(path.read_text())
-        if cell.get("fingerprint") != fingerprint:
-            return None
+        if cell.get("fingerprint") != _fingerprint(parts):
+            version = cell.get("settings", {}).get("version")
+            if not (self.reuse_other_code and version is not None
+                    and cell.get("fingerprint") == _fingerprint({**parts, "version": version})):
+                return None
+            self.reused_other_code[path.name] = version.get("commit")
         self.reused.append(path.name)
         return cell["result"]
 
@@ -115,7 +128,7 @@ def main(args) -> int:
     if trained < 16384:
         sys.exit(f"trikv bench agent: {args.model} has {trained} trained positions; the agent case needs >= 16,384")
     sessions = [make_session(seed, tokenizer, steps=args.steps, chunk_tokens=args.chunk_tokens) for seed in range(args.sessions)]
-    cells = Cells(out)
+    cells = Cells(out, reuse_other_code=args.reuse_other_code)
     version = code_version()
     common = {"model": args.model, "budget": args.budget, "limit_tokens": args.limit_tokens,
               "max_new_tokens": args.max_new_tokens, "version": version}
@@ -137,6 +150,13 @@ def main(args) -> int:
     if cells.reused:
         print(f"[trikv bench agent] reused {len(cells.reused)} finished cells whose fingerprints match: "
               f"{', '.join(sorted(cells.reused))}", flush=True)
+    if cells.reused_other_code:
+        by_commit: dict = {}
+        for name, commit in sorted(cells.reused_other_code.items()):
+            by_commit.setdefault(commit, []).append(name)
+        print("[trikv bench agent] --reuse-other-code: " + "; ".join(
+            f"{len(names)} cells made by commit {commit} (same sessions and settings)" for commit, names in by_commit.items()),
+            flush=True)
     summary = {"config": {**common, "sessions": args.sessions, "steps": args.steps, "chunk_tokens": args.chunk_tokens,
                           "kv_bytes_per_token": per_token, "cap_bytes": cap_bytes}}
     (out / "agent.json").write_text(json.dumps(summary, indent=2))
@@ -157,8 +177,9 @@ def _bar(total: int, label: str, args):
 
 
 def _cell(backend: str, method: str, session, settings: dict, cells: Cells, compute) -> dict:
-    fingerprint = _fingerprint({"backend": backend, "method": method, "session": session.to_json(), **settings})
-    cached = cells.get(backend, method, session.seed, fingerprint)
+    parts = {"backend": backend, "method": method, "session": session.to_json(), **settings}
+    fingerprint = _fingerprint(parts)
+    cached = cells.get(backend, method, session.seed, parts)
     if cached is not None:
         return cached
     started = time.perf_counter()
@@ -233,7 +254,7 @@ def _run_vllm(sessions, methods, references, cells, common, per_token, args) -> 
     out = Path(args.out)
     for method in methods:
         settings = {**common, "pool_blocks": pool_blocks, "block": block}
-        todo = [s for s in sessions if cells.get("vllm", method, s.seed, _fingerprint({"backend": "vllm", "method": method,
+        todo = [s for s in sessions if cells.get("vllm", method, s.seed, ({"backend": "vllm", "method": method,
                                                                                       "session": s.to_json(), **settings})) is None]
         if not todo:
             continue
