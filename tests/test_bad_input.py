@@ -23,6 +23,29 @@ def _saved_stats(tmp_path, model, name="stats.safetensors"):
     return path
 
 
+def test_stats_by_path_or_name_are_loaded_and_checked_against_the_model(tmp_path):
+    """`stats=` takes a `QueryStats`, a file or a bundled name, everywhere a cache is made (the settings' error
+    message says so): a path gives the same cache as the loaded statistics, and a file of another model is refused at
+    make_cache, not later."""
+    model = tiny_model("llama")
+    path = _saved_stats(tmp_path, model)
+    ids = torch.randint(1, 96, (1, 80), generator=torch.Generator().manual_seed(0))
+    logits = []
+    for given in (path, str(path), trikv.load_stats(path)):
+        cache = trikv.make_cache(model, "triattention", stats=given, budget=24, divide_length=8)
+        with torch.no_grad():
+            model(ids, past_key_values=cache, use_cache=True)
+            logits.append(model(ids[:, -1:], past_key_values=cache, use_cache=True).logits)
+        assert cache.rounds > 0
+    assert all(torch.equal(logits[0], other) for other in logits[1:])
+    (tmp_path / "other").mkdir()
+    other = _saved_stats(tmp_path / "other", tiny_model("llama", num_hidden_layers=2))
+    with pytest.raises(StatsFileError, match="num_layers is 2 in the stats"):
+        trikv.make_cache(model, "triattention", stats=str(other), budget=24, divide_length=8)
+    with pytest.raises(StatsFileError, match="no statistics file at 'no-such-model' and no bundled stats"):
+        trikv.make_cache(model, "triattention", stats="no-such-model", budget=24, divide_length=8)
+
+
 def test_stats_for_another_layer_count(tmp_path):
     path = _saved_stats(tmp_path, tiny_model("llama", num_hidden_layers=2))
     with pytest.raises(StatsFileError, match="num_layers is 2 in the stats .* but 3 in the model"):

@@ -148,7 +148,7 @@ class CompressedCache(Cache):
             stats = policy_options.pop("stats", None)
             self.settings = CacheSettings(policy, budget, divide_length, protect_prompt, min_decode_room, stats, policy_options,
                                           prefill_chunk_size)
-            policy = self.settings.make_policy(stats)
+            policy = self.settings.make_policy(self.settings.stats)
             budget = self.settings.budget
         elif policy_options:
             raise ValueError(f"policy options {sorted(policy_options)} given with a policy instance")
@@ -511,8 +511,8 @@ class CompressedCache(Cache):
         protect_prompt = self.protect_prompt and self.prompt_length > 0
         if protect_prompt and not self._prompt_dropped_logged and not bool(self.prompt_protected().all()):
             log.warning(
-                "prompt of %s tokens leaves fewer than %d of the %d budget slots for generated tokens: "
-                "the prompt competes for the budget too",
+                "the prompt (%s tokens so far: a long prompt is counted chunk by chunk) leaves fewer than %d of the %d "
+                "budget slots for generated tokens: the prompt competes for the budget too",
                 prompt_real.tolist(), self.min_decode_room, self.budget,
             )
             self._prompt_dropped_logged = True

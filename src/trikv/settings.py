@@ -14,6 +14,7 @@ head), whatever its prompt's length), and at most 256 MiB of transient memory pe
 
 from __future__ import annotations
 
+from os import PathLike
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -130,6 +131,10 @@ class CacheSettings:
             raise ValueError(f"options must be a dict of method options, got {self.options!r}")
         if "stats" in self.options:
             raise ValueError("give the statistics as `stats`, not inside `options`")
+        if isinstance(self.stats, (str, PathLike)):  # a bundled name or a file: loaded here, checked against the model at bind
+            from .calibration import load_stats
+
+            object.__setattr__(self, "stats", load_stats(self.stats))
         if self.needs_stats and self.stats is None:
             raise ValueError(
                 f"method {self.method!r} needs calibration statistics: pass stats= a bundled name (e.g. 'smollm2-135m'), "
