@@ -40,7 +40,7 @@ POOL = 200  # KV blocks of the fp32 engine (vLLM's null block included)
 
 def run_engines(tmp_path: Path, specs: dict[str, dict]) -> dict[str, dict]:
     """Run one engine per spec, one after the other (two CPU-bound engines at once only slow each other): the
-    in-process ones in one interpreter, the others (tensor parallelism, own environment) each in its own. A failed
+    in-process ones in one interpreter, the others (tensor parallelism, own environment, "alone": true) each in its own. A failed
     engine's result is {"error": traceback}."""
     pairs = {}
     for name, spec in specs.items():
@@ -48,7 +48,8 @@ def run_engines(tmp_path: Path, specs: dict[str, dict]) -> dict[str, dict]:
         spec_path.write_text(json.dumps({"model": "smollm2-135m", **spec}))
         result_path.unlink(missing_ok=True)
         pairs[name] = [str(spec_path), str(result_path)]
-    shared = [name for name, spec in specs.items() if spec.get("in_process", True) and not spec.get("env")]
+    shared = [name for name, spec in specs.items()
+              if spec.get("in_process", True) and not spec.get("env") and not spec.get("alone")]
     groups = ([shared] if shared else []) + [[name] for name in specs if name not in shared]
     results = {}
     for group in groups:
@@ -890,6 +891,254 @@ def test_preempted_request_recomputes_within_its_bound_without_holding_others(en
           f"tokens after the preemption equal to the unpreempted run's: {agree:.0%}")
 
 
+# ---- speculative decoding (n-gram drafts) beside the bounded cache ----------------------------------------------
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+
+
+def _ngram_spec(prompts, speculative: bool) -> dict:
+    """The server's budget (64, slack 32) on a prompt that repeats itself (the middle prompt twice: 80 tokens, under
+    budget + slack, so its rounds fall due while it decodes, at 96 tokens and every 32 after) and on the short prompt,
+    with or without n-gram drafts of 4 tokens."""
+    engine = {"speculative_config": NGRAM, "disable_log_stats": False} if speculative else {}
+    # the n-gram proposer imports numba, after which vLLM's CPU kernel overrides fail to register for any later engine
+    # of the interpreter (its dispatcher scans every loaded module): the speculating engine runs in its own
+    return {"dtype": "float32", "trikv": _trikv_settings(), "engine": engine, "schedule_records": True,
+            "probe": speculative, "spec_decoding": speculative, "alone": speculative,
+            "batches": [{"prompts": [prompts[1] * 2, prompts[0]], "max_tokens": NEW_TOKENS}]}
+
+
+@scenario("ngram")
+def _ngram(request, prompts):
+    return _ngram_spec(prompts, speculative=True)
+
+
+@scenario("ngram-off")
+def _ngram_off(request, prompts):
+    return _ngram_spec(prompts, speculative=False)
+
+
+@pytest.mark.engines("ngram", "ngram-off")
+def test_ngram_speculation_gives_the_tokens_and_rounds_of_the_bounded_engine_without_it(engine_runs):
+    """At temperature 0, n-gram speculation (4 draft tokens a step) beside TriAttention gives every request the tokens,
+    rounds (positions, lengths) and kept positions of the same bounded engine without it, while vLLM accepts drafts
+    (its own statistics: acceptance > 0). A step with draft tokens never takes a request past budget + slack (its
+    round falls due where it would without drafts), no request holds more blocks than without speculation, the draft
+    tokens' KV slots are physical (the probe, at every step with rounds) and every block is back at the end."""
+    spec_run, plain_run = engine_run(engine_runs, "ngram"), engine_run(engine_runs, "ngram-off")
+    drafts = spec_run["spec_decoding"]
+    rate = drafts["accepted_tokens"] / max(1, drafts["draft_tokens"])
+    print(f"n-gram speculation: {drafts['drafts']} drafts, {drafts['draft_tokens']} draft tokens, "
+          f"{drafts['accepted_tokens']} accepted (acceptance rate {rate:.1%})")
+    assert drafts["draft_tokens"] > 0 and drafts["accepted_tokens"] > 0
+    speculated = spec_run["batches"][0]["requests"]
+    for request, plain in zip(speculated, plain_run["batches"][0]["requests"]):
+        assert request["prompt"] == plain["prompt"] and len(request["tokens"]) == NEW_TOKENS
+        assert request["tokens"] == plain["tokens"]
+        rounds, plain_rounds = _rounds_of(spec_run, request["request_id"]), _rounds_of(plain_run, plain["request_id"])
+        assert len(rounds) >= 3
+        assert [(r["position"], r["length"]) for r in rounds] == [(r["position"], r["length"]) for r in plain_rounds]
+        assert [r["kept_positions"] for r in rounds] == [r["kept_positions"] for r in plain_rounds]
+        prompt_length = len(request["prompt"])
+        steps = _steps_of(spec_run, 0, request["request_id"])
+        decoding = [(start - offset, count) for start, count, _, offset in steps if start >= prompt_length]
+        assert any(count > 1 for _, count in decoding)  # drafts were verified
+        assert all(length + count <= BUDGET + SLACK for length, count in decoding)
+        held = max(blocks for _, _, blocks, _ in steps)
+        assert held <= max(blocks for _, _, blocks, _ in _steps_of(plain_run, 0, plain["request_id"]))
+    # after a round a request verifies drafts on a compacted cache: their slots are physical (the probe)
+    findings = [found for step in spec_run["probe"][0] for found in step["requests"]]
+    assert findings and all(found["slots_physical"] and found["lists_its_blocks"] for found in findings)
+    assert any(count > 1 and offset > 0 for request in speculated
+               for _, count, _, offset in _steps_of(spec_run, 0, request["request_id"]))
+    assert spec_run["free_blocks_at_end"] == plain_run["free_blocks_at_end"]
+
+
+def _speculating_scheduler(num_speculative_tokens: int, **trikv):
+    """trikv's scheduler for SmolLM2 with n-gram speculation, on a pool of 64 blocks of 32 (no model: a test steps it
+    by hand, as vLLM's engine core does)."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    from trikv.vllm import engine_args
+    from trikv.vllm.scheduler import TriKVScheduler
+
+    speculation = {**NGRAM, "num_speculative_tokens": num_speculative_tokens}
+    config = _engine_config(**engine_args(method="streaming", **trikv), speculative_config=speculation)
+    config.cache_config.num_gpu_blocks = 64
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=3, head_size=64, dtype=torch.float32)
+    groups = [KVCacheGroupSpec(["model.layers.0.self_attn.attn"], spec)]
+    kv_cache_config = KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=groups)
+    return TriKVScheduler(config, kv_cache_config, StructuredOutputManager(config), block_size=BLOCK)
+
+
+def test_rejected_drafts_roll_the_physical_length_back_and_rounds_see_verified_tokens_only():
+    """trikv's scheduler stepped by hand as vLLM's engine core steps it, with 8 n-gram draft tokens a step, some
+    accepted and some rejected (the runner's output is made up: no model runs), on eight requests that advance
+    together and fall due on the same steps (at most one round a step, so seven wait). At every step: a request's
+    first scheduled token is its verified length (the rejected drafts were rolled back, also in the physical length
+    the worker writes at: logical - offset) and it holds a slot for every token of the step, drafts included; a
+    round is planned at the request's verified length, over its verified entries only (length = verified - offset),
+    at budget + slack or, having waited, within one block past it; a step with drafts ends at budget + slack at the
+    latest; a request whose round waits decodes one token, without drafts; no request holds more blocks than its
+    bound (budget + slack + one block: chunks of 16 here). Every block is back at the end."""
+    import math
+
+    from vllm import SamplingParams
+    from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
+    from vllm.v1.request import Request
+
+    from trikv.vllm.capacity import request_bound
+
+    k, budget, slack = 8, 64, 32
+    trigger = budget + slack
+    scheduler = _speculating_scheduler(k, budget=budget, divide_length=slack, prefill_chunk_size=16, max_rounds_per_step=1)
+    bound_blocks = math.ceil(request_bound(scheduler.trikv, budget, BLOCK, scheduler.vllm_config) / BLOCK)
+    assert bound_blocks == math.ceil((trigger + BLOCK) / BLOCK)  # drafts add nothing to the bound
+    for index in range(8):
+        scheduler.add_request(Request(f"r{index}", list(range(10 + index, 50 + index)),
+                                      SamplingParams(max_tokens=300, ignore_eos=True, temperature=0.0), None))
+    verified = {f"r{index}": 0 for index in range(8)}  # tokens whose KV is written and verified
+    accepted_per_step = [8, 8, 8, 0, 8, 2, 8, 8, 1, 8, 3]  # the same for every request: they stay together
+    steps = waited = rejected = 0
+    round_lengths = []
+    while scheduler.get_num_unfinished_requests():
+        steps += 1
+        assert steps < 1000
+        offsets_before = dict(scheduler.trikv_offsets)
+        output = scheduler.schedule()
+        for op in output.trikv.rounds:
+            assert op.position == verified[op.request_id]  # no draft token counted
+            assert op.length == verified[op.request_id] - offsets_before.get(op.request_id, 0)
+            assert trigger <= op.length < trigger + BLOCK
+            round_lengths.append(op.length)
+        ids, sampled = [], []
+        for request_id, count in output.num_scheduled_tokens.items():
+            request = scheduler.requests[request_id]
+            offset = scheduler.trikv_offsets.get(request_id, 0)
+            assert output.trikv.offsets.get(request_id, 0) == offset  # what the worker maps positions with
+            start = request.num_computed_tokens - count  # vLLM counted the step's tokens when it planned it
+            assert start == verified[request_id]
+            drafts = output.scheduled_spec_decode_tokens.get(request_id, [])
+            held = len(scheduler._trikv_manager.req_to_blocks[request_id])
+            assert start - offset + count <= held * BLOCK  # a physical slot for every token, drafts included
+            assert held <= bound_blocks
+            if drafts:
+                assert start - offset + count <= trigger
+            if start - offset >= trigger:  # its round waits
+                assert count == 1 and not drafts
+                waited += 1
+            ids.append(request_id)
+            if start + count < request.num_tokens:  # a prefill chunk: nothing sampled
+                sampled.append([])
+                verified[request_id] += count
+                continue
+            accepted = min(len(drafts), accepted_per_step[steps % len(accepted_per_step)])
+            rejected += len(drafts) - accepted
+            sampled.append([5] * accepted + [9])
+            verified[request_id] = start + count - len(drafts) + accepted
+        scheduler.update_from_output(output, ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                                               sampled_token_ids=sampled))
+        running = [r for r in ids if r in scheduler.requests and not scheduler.requests[r].is_finished()]
+        for request_id in running:  # the rejected drafts were taken off: logical and physical lengths roll back
+            assert scheduler.requests[request_id].num_computed_tokens == verified[request_id]
+        scheduler.update_draft_token_ids(DraftTokenIds(running, [[5] * k for _ in running]))
+    print(f"{steps} steps, {len(round_lengths)} rounds at lengths {sorted(set(round_lengths))}, {rejected} draft tokens "
+          f"rejected, {waited} steps of a waiting round")
+    assert rejected > 0 and waited > 0 and trigger in round_lengths and max(round_lengths) > trigger
+    assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == 63
+
+
+def test_a_round_never_keeps_rejected_draft_entries():
+    """Rejected draft tokens leave their KV in the slots past the request's verified entries (vLLM does not clear
+    them; the next step writes over them). A round over a request's verified length (the first, and one after an
+    earlier round: offset 30) keeps entries of verified positions only, whatever the stale entries hold (tiny or huge
+    keys, which a key-norm or recency rule would favour were they counted): the same kept positions, and the cache's
+    first `budget` slots hold exactly the kept positions' keys."""
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    from trikv.vllm.compactor import CompactionOp, Compactor
+    from trikv.vllm.pages import PageCodec
+    from trikv.vllm.settings import BoundedKVSettings
+
+    layers, heads, block_size, head_dim, budget = 2, 3, 32, 64, 40
+    isa = _get_attn_isa(torch.float32, block_size, head_dim)
+    table = [4, 1, 3]  # the request's blocks
+
+    def write(keys, values, cache, slots):
+        view = cache.view(cache.shape[0], heads, 2 * block_size, head_dim)
+        key_cache, value_cache = view.chunk(2, dim=2)
+        ops.cpu_attn_reshape_and_cache(keys, values, key_cache, value_cache, slots.long(), isa)
+
+    def run(method: str, stale_scale: float):
+        torch.manual_seed(0)
+        caches = [torch.zeros(6, heads, block_size, 2 * head_dim) for _ in range(layers)]
+        codecs = [PageCodec.learn(write, cache, heads, block_size, head_dim) for cache in caches]
+        policy = BoundedKVSettings(method=method, budget=budget).make_policy()
+        compactor = Compactor(policy, protect_prompt=False, min_decode_room=0)
+        written = {}  # (layer, position) -> its key [Hkv, D]
+
+        def put(positions: range, first_slot: int, scale: float = 1.0):
+            slots = torch.tensor([table[s // block_size] * block_size + s % block_size
+                                  for s in range(first_slot, first_slot + len(positions))])
+            for layer, cache in enumerate(caches):
+                keys = torch.randn(len(positions), heads, head_dim) * scale
+                write(keys, torch.randn_like(keys), cache, slots)
+                written.update({(layer, p): key for p, key in zip(positions, keys)})
+
+        def compact(position: int, length: int):
+            op = CompactionOp("r", position=position, length=length, budget=budget, prompt_length=8, kept_blocks=2,
+                              freed_blocks=1, free_blocks=0, held_blocks=2)
+            compactor.run([op], caches, codecs, {"r": table})
+            return compactor.kept_positions["r"].clone()
+
+        put(range(70), 0)  # 70 verified tokens, then 8 rejected drafts at positions 70..77, slots 70..77
+        put(range(70, 78), 70, stale_scale)
+        first = compact(70, 70)
+        put(range(70, 100), 40)  # offset 30: 30 more verified at slots 40..69, then 6 rejected drafts
+        put(range(100, 106), 70, stale_scale)
+        second = compact(100, 70)
+        stored = [codec.gather(cache, torch.tensor([table]))[0][0, :, :budget] for codec, cache in zip(codecs, caches)]
+        assert int(first.max()) < 70 and int(second.max()) < 100
+        for layer in range(layers):
+            for head in range(heads):
+                expected = torch.stack([written[layer, int(p)][head] for p in second[layer, head]])
+                assert torch.equal(stored[layer][head], expected)
+        return first, second
+
+    for method in ("streaming", "knorm"):
+        tiny, huge = run(method, 1e-3), run(method, 1e3)
+        assert all(torch.equal(a, b) for a, b in zip(tiny, huge))
+
+
+def test_speculative_methods_with_a_kv_cache_of_their_own_are_refused():
+    """N-gram drafts run beside the bounded cache (test_ngram_speculation_...); a draft model (and any drafter with
+    a KV cache of its own: EAGLE, MTP) is refused at start-up with the reason, as are untested methods and a number
+    of draft tokens that varies with the batch size."""
+    from types import SimpleNamespace
+
+    from trikv.models import resolve_model_path
+    from trikv.vllm import UnsupportedEngineError, engine_args
+    from trikv.vllm.settings import BoundedKVSettings
+    from trikv.vllm.support import check_engine_config, speculation_problem
+
+    args = engine_args(method="streaming", budget=64)
+    settings = BoundedKVSettings.from_config(args["additional_config"])
+    check_engine_config(_engine_config(**args, speculative_config=NGRAM), settings)
+    draft_model = _engine_config(**args, speculative_config={"model": resolve_model_path("smollm2-135m"), "num_speculative_tokens": 2})
+    with pytest.raises(UnsupportedEngineError, match=r"method 'draft_model' is not supported \(its drafter keeps a KV cache "
+                                                     r"of its own, which would stay unbounded"):
+        check_engine_config(draft_model, settings)
+
+    def config(method, own_kv=False, per_batch=None):
+        return SimpleNamespace(method=method, uses_draft_kv_cache=lambda: own_kv, num_speculative_tokens_per_batch_size=per_batch)
+
+    assert "its drafter keeps a KV cache of its own" in speculation_problem(config("eagle3", own_kv=True))
+    assert "it is not tested with a bounded cache" in speculation_problem(config("suffix"))
+    assert "num_speculative_tokens_per_batch_size" in speculation_problem(config("ngram", per_batch=[(1, 8, 4)]))
+    assert speculation_problem(config("ngram")) is None and speculation_problem(None) is None
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_page_codec_reads_and_writes_vllm_cpu_pages(dtype):
     """The codec against vLLM's own CPU KV write (fp32: `vec` pages, keys transposed; bf16 on AMX: VNNI tiles):
@@ -1467,9 +1716,10 @@ def test_unsupported_vllm_version_is_refused():
 
 
 def test_prefix_caching_and_other_features_are_refused():
-    """What a bounded cache cannot run beside is refused at start-up with the reason: prefix caching, KV caches with
-    scales per token (fp8 with one scale per layer is read), speculative decoding, pipeline and context parallelism,
-    KV connectors."""
+    """What a bounded cache cannot run beside is refused at start-up with the reason (prefix caching, once refused, is
+    accepted: trikv's arguments leave it off unless asked): KV caches with
+    scales per token (fp8 with one scale per layer is read), pipeline and context parallelism, KV connectors
+    (speculative decoding other than n-gram drafts: test_speculative_methods_with_a_kv_cache_of_their_own_are_refused)."""
     import re
 
     from trikv.vllm import UnsupportedEngineError, engine_args
@@ -1479,14 +1729,13 @@ def test_prefix_caching_and_other_features_are_refused():
     args = engine_args(method="streaming", budget=64)
     settings = BoundedKVSettings.from_config(args["additional_config"])
     check_engine_config(_engine_config(**args), settings)  # the arguments trikv gives are accepted
-    with pytest.raises(UnsupportedEngineError, match="prefix caching is on"):
-        check_engine_config(_engine_config(**{**args, "enable_prefix_caching": True}), settings)
+    assert args["enable_prefix_caching"] is False and engine_args(method="streaming", prefix_caching=True)["enable_prefix_caching"]
+    check_engine_config(_engine_config(**{**args, "enable_prefix_caching": True}), settings)  # runs beside a bounded cache
     for fp8 in ("fp8", "fp8_e4m3", "fp8_e5m2"):  # one scale per layer: read (test_fp8_kv_cache_keeps_what_...)
         check_engine_config(_engine_config(**{**args, "kv_cache_dtype": fp8}), settings)
     with pytest.raises(UnsupportedEngineError, match="KV cache dtype 'fp8_per_token_head': trikv compacts the model's own"):
         check_engine_config(_engine_config(**{**args, "kv_cache_dtype": "fp8_per_token_head"}), settings)
-    refusals = {"speculative decoding is not supported": ("speculative_config", None),
-                "pipeline parallelism (2 stages) is not supported": ("parallel_config", "pipeline_parallel_size"),
+    refusals = {"pipeline parallelism (2 stages) is not supported": ("parallel_config", "pipeline_parallel_size"),
                 "context parallelism is not supported": ("parallel_config", "decode_context_parallel_size"),
                 "KV connectors (disaggregated prefill, offloading) are not supported": ("kv_transfer_config", None)}
     for reason, (part, field) in refusals.items():  # set on a built configuration: this machine cannot build all of them
@@ -1589,3 +1838,268 @@ def test_serving_benchmark_runs_offline_and_renders_its_page(tmp_path):
     text = page.read_text()
     assert "## Run `offline`" in text and "triattention-B64-n4" in text and ".png" in text
     assert "max batch: each engine at its own best concurrency" in text
+
+
+# prefix caching beside the bounded cache: B = 256 with prefill chunks of 128 (blocks of 32), so a hit ends on the
+# chunk grid below budget + slack: at most 256 tokens of a long prompt, the whole cached prefix of a short one
+PC_BUDGET, PC_CHUNK, PC_PREFIX, PC_NEW, PC_SHORT = 256, 128, 1000, 48, 200
+
+
+def _prefix_caching_batches(long_ids: list[int]) -> list[dict]:
+    """A (a 1,000-token prefix and its own end), then B (the same prefix, another end), then A again; a short prompt
+    S (under budget + slack) decoded past several rounds, then S again; last two requests on the prefix together
+    (they share its cached blocks while both run)."""
+    prefix = long_ids[4000 : 4000 + PC_PREFIX]
+    a, b = prefix + long_ids[6000:6024], prefix + long_ids[7000:7024]
+    short = long_ids[8000 : 8000 + PC_SHORT]
+    both = [prefix + long_ids[7200:7216], prefix + long_ids[7400:7416]]
+    return [{"prompts": [a], "max_tokens": PC_NEW}, {"prompts": [b], "max_tokens": PC_NEW}, {"prompts": [a], "max_tokens": PC_NEW},
+            {"prompts": [short], "max_tokens": 120}, {"prompts": [short], "max_tokens": 120},
+            {"prompts": both, "max_tokens": PC_NEW}]
+
+
+def _prefix_caching_spec(request, caching: bool) -> dict:
+    settings = {**_trikv_settings(prefill_chunk_size=PC_CHUNK), "budget": PC_BUDGET, "prefix_caching": caching}
+    return {"dtype": "float32", "trikv": settings, "engine": {"num_gpu_blocks_override": POOL, "disable_log_stats": False},
+            "schedule_records": True, "metrics": True, "cache_guard": caching,
+            "batches": _prefix_caching_batches(request.getfixturevalue("long_ids"))}
+
+
+@scenario("prefix-caching")
+def _prefix_caching(request, prompts):
+    return _prefix_caching_spec(request, caching=True)
+
+
+@scenario("prefix-caching-off")
+def _prefix_caching_off(request, prompts):
+    return _prefix_caching_spec(request, caching=False)
+
+
+def _first_computed(result: dict, batch: int, request_id: str) -> int:
+    """The first token vLLM computed for the request: its prefix-cache hit (0 without one)."""
+    return _steps_of(result, batch, request_id)[0][0]
+
+
+@pytest.fixture(scope="module")
+def prefix_caching_run(engine_runs):
+    return engine_run(engine_runs, "prefix-caching")
+
+
+def _hits(result: dict) -> list[int]:
+    """Tokens vLLM's own prefix-cache counters report hit in each batch."""
+    totals = [0] + [batch["metrics"]["hits"] for batch in result["batches"]]
+    return [int(b - a) for a, b in zip(totals, totals[1:])]
+
+
+@pytest.mark.engines("prefix-caching")
+def test_prefix_cache_hits_beside_the_bounded_cache_and_tokens_equal_the_transformers_path(real_model, prefix_caching_run):
+    """With prefix caching on (B = 256, slack 32, prefill chunks of 128), B (A's 1,000-token prefix, another end,
+    sent once A finished) hits the blocks A cached, as vLLM's own prefix-cache counters show: 256 tokens, where the
+    hit ends on B's prefill-chunk grid below budget + slack, so B is prefilled in the chunks and compacted at the
+    rounds it has without the hit. A (no hit) and B (the hit, then vLLM's chunks), replayed through trikv's
+    transformers cache, keep the same set at every round and every teacher-forced token is vLLM's."""
+    model, _ = real_model
+    run = prefix_caching_run
+    stats = trikv.load_stats("smollm2-135m", model)
+    hits = _hits(run)
+    print(f"prefix-cache hits per batch (tokens): {hits}")
+    assert hits[0] == 0 and hits[1] == PC_BUDGET and hits[2] == PC_BUDGET
+    for batch in (0, 1):
+        (request,) = run["batches"][batch]["requests"]
+        steps = _steps_of(run, batch, request["request_id"])
+        hit = steps[0][0]
+        assert hit == (0 if batch == 0 else PC_BUDGET)
+        prompt_length = len(request["prompt"])
+        chunks = [(start, start + count) for start, count, _, _ in steps if start < prompt_length]
+        assert all(stop - start == PC_CHUNK for start, stop in chunks[:-1])
+        assert all(a[1] == b[0] for a, b in zip(chunks, chunks[1:])) and chunks[-1][1] == prompt_length
+        assert max(held for _, _, held, _ in steps) <= math.ceil((PC_BUDGET + SLACK + PC_CHUNK) / BLOCK)  # within the bound
+        rounds = _batch_rounds(run, batch, request["request_id"])
+        assert len([r for r in rounds if r["position"] < prompt_length]) >= 4 and len(rounds) >= 6
+        report = replay(model, "triattention", request, rounds, tie=1e-3, stats=stats, budget=PC_BUDGET,
+                        chunks=([(0, hit)] if hit else []) + chunks)
+        print(f"batch {batch}: hit {hit} tokens, {len(chunks)} chunks, {report['rounds']} rounds, {report['tied_heads']} "
+              f"of {report['heads']} (layer, head) sets differ by float ties")
+        assert report["tied_heads"] == 0 and report["predictions"] == request["tokens"]
+
+
+def _batch_rounds(result: dict, batch: int, request_id: str) -> list[dict]:
+    """The rounds of a request of batch `batch` (request ids restart with every batch; the scenario counts the rounds
+    run after each batch)."""
+    counts = [0] + [b["metrics"]["rounds"] for b in result["batches"]]
+    records = result["rounds"][0][counts[batch] : counts[batch + 1]]
+    return [r for r in records if r["request_id"].split("-")[0] == request_id.split("-")[0]]
+
+
+@pytest.mark.engines("prefix-caching", "prefix-caching-off")
+def test_a_compacted_request_never_changes_what_later_requests_read_from_the_cache(engine_runs, prefix_caching_run):
+    """Every request of the prefix-caching run emits the tokens and keeps, at every round, the sets it does on an
+    engine without prefix caching, hit or not: A again (hitting A's own blocks, which A's rounds never wrote), S
+    again (a short prompt: its whole cached prefix, 192 tokens, hit after S's round copied them) and the two
+    requests that share the cached prefix while both run. At every round of the run, checked from the block pool
+    and the KV pages (`vllm_scenario._guard_cache`): every block the round wrote was its request's alone and
+    uncached (the cached and shared ones were copied first), the bytes of every cached block it read were the same
+    after it, and no compacted request ever held a cached block."""
+    run, plain = prefix_caching_run, engine_run(engine_runs, "prefix-caching-off")
+    hits = _hits(run)
+    assert hits[3] == 0 and hits[4] == (PC_SHORT - 1) // BLOCK * BLOCK and hits[5] == 2 * PC_BUDGET, hits
+    assert _hits(plain) == [0] * len(hits)
+    for batch, (mine, theirs) in enumerate(zip(run["batches"], plain["batches"])):
+        for request, reference in zip(mine["requests"], theirs["requests"]):
+            assert request["tokens"] == reference["tokens"], f"batch {batch}"
+            assert _first_computed(run, batch, request["request_id"]) == (0 if batch in (0, 3) else
+                                                                           hits[batch] // len(mine["requests"]))
+    # the same rounds; their kept sets equal but where a hit's shorter forward moved a score by a float tie
+    def positions(result: dict) -> list[tuple[str, int]]:  # the engine adds a random suffix to each request id
+        return [(r["request_id"].split("-")[0], r["position"]) for r in result["rounds"][0]]
+
+    assert positions(run) == positions(plain)
+    sets = [(a == b).all(-1).flatten() for a, b in ((torch.tensor(x["kept_positions"]), torch.tensor(y["kept_positions"]))
+                                                    for x, y in zip(run["rounds"][0], plain["rounds"][0]))]
+    same = float(torch.cat(sets).float().mean())
+    print(f"kept (layer, head) sets equal to the engine without prefix caching: {same:.4%}")
+    assert same >= 0.99
+    # A again reads A's blocks, computed in the very chunks A again would compute: the same rounds, bit for bit
+    a_first, a_again = (_batch_rounds(run, batch, run["batches"][batch]["requests"][0]["request_id"]) for batch in (0, 2))
+    assert [r["kept_positions"] for r in a_first] == [r["kept_positions"] for r in a_again] and a_first
+    assert run["batches"][2]["requests"][0]["tokens"] == run["batches"][0]["requests"][0]["tokens"]
+    assert run["batches"][4]["requests"][0]["tokens"] == run["batches"][3]["requests"][0]["tokens"]
+    guard = run["cache_guard"]
+    print(f"cache guard: {guard['rounds']} rounds, {guard['copies']} blocks copied, {guard['cached_blocks_read']} cached "
+          f"blocks read")
+    assert guard["rounds"] == len(run["rounds"][0]) and guard["copies"] > 0 and guard["cached_blocks_read"] > 0
+    assert guard["written_shared_or_cached"] == [] and guard["cached_bytes_changed"] == [] and guard["cached_after_round"] == []
+    assert run["free_blocks_at_end"] == plain["free_blocks_at_end"] == POOL - 1
+
+
+@scenario("prefix-caching-preemption")
+def _prefix_caching_preemption(request, prompts):
+    """The preemption scenario with prefix caching on: a preempted compacted request is recomputed from its history
+    and may hit the blocks it cached before its first round."""
+    spec = _preemption(request, prompts)
+    spec["trikv"] = {**spec["trikv"], "prefix_caching": True}
+    spec["engine"] = {**spec["engine"], "disable_log_stats": False}
+    return {**spec, "metrics": True, "cache_guard": True}
+
+
+@pytest.mark.engines("prefix-caching-preemption")
+def test_a_preempted_request_recomputes_beside_the_prefix_cache(engine_runs):
+    """Preemption with prefix caching on: A is preempted after its rounds and recomputed from its whole history (a
+    hit on what is still cached of it from before its first round, on its chunk grid, where the small pool has not
+    evicted it: reported); every request completes with all its
+    tokens, every block returns to the pool, and the cache guard finds no block a round wrote that another request
+    may read, no cached block whose bytes a round changed and no compacted request holding a cached block."""
+    run = engine_run(engine_runs, "prefix-caching-preemption")
+    first = run["batches"][0]["requests"]
+    assert run["stats"][0]["preemptions"] >= 1
+    assert [len(r["tokens"]) for r in first] == PREEMPTION_NEW_TOKENS
+    assert run["free_blocks_at_end"] == PREEMPTION_POOL - 1
+    guard = run["cache_guard"]
+    print(f"preemption with prefix caching: hits per batch {_hits(run)}; guard: {guard['rounds']} rounds, "
+          f"{guard['copies']} blocks copied")
+    assert guard["copies"] > 0
+    assert guard["written_shared_or_cached"] == [] and guard["cached_bytes_changed"] == [] and guard["cached_after_round"] == []
+
+
+def test_a_round_copies_the_blocks_others_may_read_and_never_caches_a_compacted_request():
+    """The scheduler's two guards on vLLM's own block pool, without an engine. A round of a request holding 5 blocks
+    (B = 64, slack 32, blocks of 32: it keeps 2) whose first block is cached and shared and whose second is cached:
+    both are replaced by fresh blocks (the round's copies), and go back to the pool with their hashes, the tail
+    too; with one free block only the shared one is copied and the other loses its hash before it is written; with
+    none the round waits. A compacted request's blocks are never cached (the manager's cache_blocks does nothing)."""
+    from types import SimpleNamespace
+
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+
+    from trikv.vllm.scheduler import TriKVScheduler, never_cache_compacted
+    from trikv.vllm.settings import BoundedKVSettings
+
+    def engine(free_after: int):
+        pool = BlockPool(num_gpu_blocks=8, enable_caching=True, hash_block_size=BLOCK)
+        blocks = pool.get_new_blocks(5)
+        for index in (0, 1, 3):
+            pool._insert_block_hash(make_block_hash_with_group_id(bytes([index]) * 32, 0), blocks[index], BLOCK)
+        pool.touch(blocks[:1])  # another request holds the first block too
+        pool.get_new_blocks(pool.get_num_free_blocks() - free_after)  # other requests hold the rest
+        scheduler = TriKVScheduler.__new__(TriKVScheduler)
+        request = SimpleNamespace(request_id="r", num_computed_tokens=5 * BLOCK, num_tokens=5 * BLOCK + 1,
+                                  num_prompt_tokens=5 * BLOCK, sampling_params=None)
+        scheduler.__dict__.update(
+            trikv=BoundedKVSettings(method="streaming", budget=64, divide_length=SLACK), trikv_offsets={}, trikv_rounds=0,
+            trikv_blocks_freed=0, _trikv_announced=set(), _trikv_budgets={}, _trikv_block=BLOCK, _trikv_rounds_per_step=4,
+            running=[request], kv_cache_manager=SimpleNamespace(block_pool=pool),
+            _trikv_manager=SimpleNamespace(req_to_blocks={"r": list(blocks)}))
+        return scheduler, pool, blocks
+
+    scheduler, pool, blocks = engine(free_after=2)
+    (op,) = scheduler._start_rounds()
+    kept = scheduler._trikv_manager.req_to_blocks["r"]
+    assert [old for old, _ in op.copies] == [blocks[0].block_id, blocks[1].block_id]
+    assert [new for _, new in op.copies] == [block.block_id for block in kept] and op.kept_blocks == 2
+    assert all(pool.is_block_writable(block) for block in kept)  # the round writes blocks only it holds, uncached
+    assert blocks[0].ref_cnt == 1 and blocks[1].ref_cnt == 0 and blocks[3].ref_cnt == 0  # the originals returned
+    assert all(blocks[index].block_hash is not None for index in (0, 1, 3))  # still cached, contents untouched
+
+    scheduler, pool, blocks = engine(free_after=1)
+    (op,) = scheduler._start_rounds()
+    kept = scheduler._trikv_manager.req_to_blocks["r"]
+    assert [old for old, _ in op.copies] == [blocks[0].block_id] and kept[1] is blocks[1]
+    assert blocks[1].block_hash is None and all(pool.is_block_writable(block) for block in kept)
+
+    scheduler, pool, blocks = engine(free_after=0)
+    assert scheduler._start_rounds() == [] and scheduler._trikv_manager.req_to_blocks["r"] == blocks
+    assert "r" not in scheduler.trikv_offsets
+
+    calls = []
+    manager = SimpleNamespace(cache_blocks=lambda request, num_tokens, **kwargs: calls.append((request.request_id, num_tokens)))
+    compacted = {}
+    never_cache_compacted(manager, compacted)
+    manager.cache_blocks(SimpleNamespace(request_id="r"), 64, replay_boundaries=())
+    compacted["r"] = 100
+    manager.cache_blocks(SimpleNamespace(request_id="r"), 200, replay_boundaries=())
+    assert calls == [("r", 64)]
+
+
+def test_a_bounded_request_hits_the_prefix_cache_on_its_chunk_grid_below_its_round():
+    """The longest prefix-cache hit a bounded request takes (B = 256, slack 32, chunks of 128, blocks of 32): a
+    prefill under budget + slack takes vLLM's whole hit; a longer one a hit on its chunk grid below 288 tokens."""
+    from types import SimpleNamespace
+
+    from trikv.vllm.scheduler import TriKVScheduler
+    from trikv.vllm.settings import BoundedKVSettings
+
+    scheduler = TriKVScheduler.__new__(TriKVScheduler)
+    scheduler.__dict__.update(trikv=BoundedKVSettings(method="streaming", budget=PC_BUDGET, divide_length=SLACK),
+                              _trikv_chunk=PC_CHUNK, _trikv_block=BLOCK)
+    limit = scheduler._prefix_hit_limit
+    assert limit(SimpleNamespace(num_tokens=288), PC_BUDGET, 256) == 256  # no round inside this prefill
+    assert limit(SimpleNamespace(num_tokens=200), PC_BUDGET, 192) == 192
+    assert limit(SimpleNamespace(num_tokens=1024), PC_BUDGET, 992) == 256
+    assert limit(SimpleNamespace(num_tokens=1024), PC_BUDGET, 224) == 128
+    assert limit(SimpleNamespace(num_tokens=1024), PC_BUDGET, 96) == 0
+
+
+def test_the_worker_copies_a_rounds_cached_blocks_before_it_and_follows_the_copies():
+    """The worker's half of copy-on-write: before the step's rounds, each (original, copy) pair of a round is copied
+    in every full-attention layer with vLLM's own block copy, and the copy takes the original's place in the
+    request's block list (what the round reads and writes, and the block table after it); other blocks stay."""
+    from types import SimpleNamespace
+
+    from trikv.vllm.compactor import CompactionOp
+    from trikv.vllm.worker import BoundedKVRunner
+
+    caches = [torch.randn(10, 3, BLOCK, 16) for _ in range(2)]  # [blocks, KV heads, slots, 2 x head_dim] (vLLM's CPU pages)
+    before = [cache.clone() for cache in caches]
+    runner = SimpleNamespace(_trikv_group=0, _trikv_caches=caches, kv_cache_config=SimpleNamespace(num_blocks=10),
+                             requests={"r": SimpleNamespace(block_ids=([1, 2, 3, 4],)),
+                                       "s": SimpleNamespace(block_ids=([5, 6],))})
+    op = CompactionOp(request_id="r", position=160, length=160, budget=64, prompt_length=10, kept_blocks=2,
+                      freed_blocks=2, free_blocks=0, held_blocks=4, copies=((1, 7), (2, 8)))
+    plain = CompactionOp(request_id="s", position=96, length=96, budget=32, prompt_length=10, kept_blocks=1,
+                         freed_blocks=1, free_blocks=0, held_blocks=4)
+    BoundedKVRunner._trikv_copy_on_write(runner, [op, plain])
+    assert runner.requests["r"].block_ids[0] == [7, 8, 3, 4] and runner.requests["s"].block_ids[0] == [5, 6]
+    for cache, old in zip(caches, before):
+        assert torch.equal(cache[7], old[1]) and torch.equal(cache[8], old[2])
+        assert torch.equal(cache[:7], old[:7]) and torch.equal(cache[9], old[9])  # the originals and every other block untouched

@@ -16,7 +16,11 @@ steps the engine by hand, "max_steps" (default 5000) then bounds the steps: a st
 engine is then the engine's to refuse); "resumable": true adds each prompt as a streaming-input session, straight
 to the engine}], "probe": true (in-process) records, at every step with rounds, what the runner's persistent
 buffers hold (`vllm_probe.py`), "schedule_records": true (in-process, trikv) records every step's schedule, "kv_scales": {"k", "v"} (in-process) sets
-every attention layer's fp8 KV scales before the first batch, "record_keys": a path (in-process, trikv) where the keys
+every attention layer's fp8 KV scales before the first batch, "metrics": true records after every batch vLLM's own
+prefix-cache counters (`LLM.get_metrics`, cumulative; needs "engine": {"disable_log_stats": false}) and, with trikv, the
+rounds run so far, "cache_guard":
+true (in-process, trikv) checks at every round what prefix caching must never see (`_guard_cache`), "alone": true
+runs the engine in an interpreter of its own, "spec_decoding": true (in-process) sums vLLM's speculative-decoding statistics over the run (`_count_spec_decoding`), "record_keys": a path (in-process, trikv) where the keys
 the full-attention layers hand vLLM's KV write are saved, by request, layer and position}.
 RESULT: per batch the prompt, generated token ids, finish and stop reasons of every request (with
 "schedule_records", the batch's steps: {request id: [first token computed, tokens scheduled, full-attention blocks
@@ -40,7 +44,8 @@ def main(pairs: list[tuple[str, str]]) -> None:
     for spec_path, _ in pairs:
         with open(spec_path) as handle:
             specs.append(json.load(handle))
-    if len(specs) > 1 and not all(spec.get("in_process", True) and not spec.get("env") for spec in specs):
+    if len(specs) > 1 and not all(spec.get("in_process", True) and not spec.get("env") and not spec.get("alone")
+                                  for spec in specs):
         raise SystemExit("only in-process engines without their own environment share an interpreter")
     os.environ.update({key: str(value) for key, value in specs[0].get("env", {}).items()})
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -88,6 +93,8 @@ def run(spec: dict) -> dict:
 
         llm.collective_rpc(vllm_probe.record_keys)
     steps = _record_schedules(llm) if spec.get("schedule_records") else None
+    drafts = _count_spec_decoding(llm) if spec.get("spec_decoding") else None
+    guard = _guard_cache(llm) if spec.get("cache_guard") else None
     for batch in spec["batches"]:
         params = [SamplingParams(max_tokens=count, min_tokens=batch.get("min_tokens", count), temperature=0.0, ignore_eos=True)
                   for count in (batch["max_tokens"] if isinstance(batch["max_tokens"], list) else [batch["max_tokens"]] * len(batch["prompts"]))]
@@ -116,6 +123,10 @@ def run(spec: dict) -> dict:
                          "finish_reason": out.outputs[0].finish_reason, "stop_reason": out.outputs[0].stop_reason}
                         for out in outputs]
         result["batches"].append({"seconds": time.perf_counter() - started, "requests": requests})
+        if spec.get("metrics"):
+            result["batches"][-1]["metrics"] = _prefix_cache_counters(llm)
+            if extra:  # the rounds run so far: the batch's rounds are those recorded since the batch before
+                result["batches"][-1]["metrics"]["rounds"] = llm.collective_rpc("trikv_stats")[0]["rounds"]
         if steps is not None:  # request ids restart with every batch: each keeps its own steps
             result["batches"][-1]["schedule"] = list(steps)
             steps.clear()
@@ -128,6 +139,10 @@ def run(spec: dict) -> dict:
         import vllm_probe
 
         result["probe"] = llm.collective_rpc(vllm_probe.findings)
+    if drafts is not None:
+        result["spec_decoding"] = drafts
+    if guard is not None:
+        result["cache_guard"] = guard
     if spec.get("record_keys"):
         import vllm_probe
 
@@ -137,6 +152,27 @@ def run(spec: dict) -> dict:
         result["stats"] = llm.collective_rpc("trikv_stats")
     shut_down(llm, in_process)  # the next engine may be built in this interpreter
     return result
+
+
+def _count_spec_decoding(llm) -> dict:
+    """Sum, over the engine's steps, vLLM's own speculative-decoding statistics (the `SpecDecodingStats` its scheduler
+    attaches to each step's output: drafts, draft tokens proposed, draft tokens accepted). Needs log stats on
+    ("engine": {"disable_log_stats": false})."""
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    update, totals = scheduler.update_from_output, {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0}
+
+    def counted(*args, **kwargs):
+        outputs = update(*args, **kwargs)
+        for batch in outputs.values():
+            stats = getattr(getattr(batch, "scheduler_stats", None), "spec_decoding_stats", None)
+            if stats is not None:
+                totals["drafts"] += stats.num_drafts
+                totals["draft_tokens"] += stats.num_draft_tokens
+                totals["accepted_tokens"] += stats.num_accepted_tokens
+        return outputs
+
+    scheduler.update_from_output = counted
+    return totals
 
 
 def _record_schedules(llm) -> list[dict]:
@@ -156,6 +192,78 @@ def _record_schedules(llm) -> list[dict]:
 
     scheduler.schedule = recorded
     return steps
+
+
+def _prefix_cache_counters(llm) -> dict:
+    """vLLM's own prefix-cache counters so far (tokens looked up, tokens hit), from its Prometheus metrics."""
+    counters = {"vllm:prefix_cache_queries": "queries", "vllm:prefix_cache_hits": "hits"}
+    found = {"queries": 0, "hits": 0}
+    for metric in llm.get_metrics():
+        if metric.name in counters:
+            found[counters[metric.name]] += metric.value
+    return found
+
+
+def _guard_cache(llm) -> dict:
+    """Check, at every round of an in-process trikv engine with prefix caching, the rule prefix caching relies on,
+    from the scheduler's block pool and the worker's KV pages: every block a round writes (the first kept_blocks of
+    the request's blocks once the worker has applied the round's copies) is held by that request alone and uncached,
+    and the bytes of every cached block a round reads are the same after the round (a hit returns what its hash
+    names); after every step is planned, no compacted request holds a cached block (its blocks are never hashed
+    after its first round). Returns the counts and the violations found."""
+    import hashlib
+
+    import torch
+
+    core = llm.llm_engine.engine_core.engine_core
+    scheduler = core.scheduler
+    runner = core.model_executor.driver_worker.worker.model_runner
+    pool = scheduler.kv_cache_manager.block_pool
+    report = {"rounds": 0, "copies": 0, "cached_blocks_read": 0, "written_shared_or_cached": [], "cached_bytes_changed": [],
+              "cached_after_round": []}
+
+    def cached(block_id: int) -> bool:
+        block = pool.blocks[block_id]
+        return block.block_hash is not None or block_id in pool.cached_block_hashes_by_block
+
+    def fingerprint(block_id: int) -> str:
+        pages = b"".join(cache[block_id].contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+                         for cache in runner._trikv_caches)
+        return hashlib.sha1(pages).hexdigest()
+
+    group = runner._trikv_group
+    before_step = runner._trikv_before_step
+
+    def guarded_before_step(scheduler_output, plan):
+        rounds = list(plan.rounds) if plan is not None else []
+        before = {}
+        for op in rounds:  # the request's blocks before the round (and before its copies)
+            before.update({block_id: fingerprint(block_id) for block_id in runner.requests[op.request_id].block_ids[group]
+                           if cached(block_id)})
+        before_step(scheduler_output, plan)
+        for op in rounds:
+            report["rounds"] += 1
+            report["copies"] += len(op.copies)
+            for block_id in runner.requests[op.request_id].block_ids[group][: op.kept_blocks]:  # what the round wrote
+                if not pool.is_block_writable(pool.blocks[block_id]) or cached(block_id):
+                    report["written_shared_or_cached"].append([op.request_id, block_id])
+        report["cached_blocks_read"] += len(before)
+        report["cached_bytes_changed"] += [block_id for block_id, print_ in before.items()
+                                           if cached(block_id) and fingerprint(block_id) != print_]
+
+    runner._trikv_before_step = guarded_before_step
+    schedule = scheduler.schedule
+
+    def guarded_schedule(*args, **kwargs):
+        output = schedule(*args, **kwargs)
+        for request_id in scheduler.trikv_offsets:
+            report["cached_after_round"] += [[request_id, block.block_id]
+                                             for block in scheduler._trikv_manager.req_to_blocks.get(request_id, ())
+                                             if cached(block.block_id)]
+        return output
+
+    scheduler.schedule = guarded_schedule
+    return report
 
 
 def _step_by_hand(llm, batch: dict, params: list, TokensPrompt) -> list[dict]:

@@ -128,8 +128,11 @@ def run_soak(args) -> dict:
 
         def one(index: int) -> dict:
             prompt, max_tokens, abort_after = plan[index]
+            # usage in every chunk: vLLM merges the outputs of several steps into one chunk when the client reads
+            # slower than the engine decodes (a busy machine), so chunks are not tokens
             body = {"model": served_model, "prompt": prompt, "max_tokens": max_tokens, "min_tokens": max_tokens,
-                    "temperature": 0, "ignore_eos": True, "stream": True}
+                    "temperature": 0, "ignore_eos": True, "stream": True,
+                    "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
             request = urllib.request.Request(f"{base}/v1/completions", data=json.dumps(body).encode(),
                                              headers={"Content-Type": "application/json"})
             tokens = 0
@@ -137,7 +140,8 @@ def run_soak(args) -> dict:
                 for line in response:
                     line = line.decode().strip()
                     if line.startswith("data: ") and line != "data: [DONE]":
-                        tokens += 1  # one token per streamed chunk (greedy, no stop strings)
+                        usage = json.loads(line[len("data: "):]).get("usage")
+                        tokens = usage["completion_tokens"] if usage else tokens
                         if abort_after is not None and tokens >= abort_after:
                             break  # closing the stream aborts the request in vLLM
             return {"prompt_tokens": len(prompt), "asked": max_tokens, "received": tokens, "aborted": abort_after is not None}

@@ -70,6 +70,7 @@ def engine_args(
     prefill_chunk_size: int = DEFAULT_PREFILL_CHUNK_SIZE,
     model: str | None = None,
     compilation_config: dict | None = None,
+    prefix_caching: bool = False,
     **options,
 ) -> dict:
     """Keyword arguments for `vllm.LLM(...)` / `vllm.EngineArgs(...)` that bound every request's KV cache.
@@ -84,8 +85,12 @@ def engine_args(
     `record_rounds`, `round_workspace_bytes`, `max_request_budget`, `allow_full_requests` and
     `max_rounds_per_step`. `method="full"` returns no arguments: plain vLLM.
 
-    Besides trikv's scheduler, worker and settings, the arguments turn off prefix caching and async scheduling
-    and set `compilation_config={"cudagraph_mode": "PIECEWISE"}` (merged into `compilation_config` when given: on
+    `prefix_caching`: vLLM's automatic prefix caching (off unless asked: with a bounded cache a request reuses at
+    most the cached prefix below budget + divide_length, on its prefill-chunk grid, while every request's first
+    round then copies its first blocks out of the cache; see `scheduler.py`).
+
+    Besides trikv's scheduler, worker and settings, the arguments turn off async scheduling, set prefix caching
+    as asked, and set `compilation_config={"cudagraph_mode": "PIECEWISE"}` (merged into `compilation_config` when given: on
     CUDA attention then runs outside graphs, so it reads each step's compacted lengths; the CPU build runs no
     graphs). They also set `VLLM_USE_V2_MODEL_RUNNER=0` in this process's environment (inherited by vLLM's engine
     processes: the V2 runner is vLLM 0.32's CUDA default, and trikv runs on V1); a value selecting V2 is refused.
@@ -119,7 +124,7 @@ def engine_args(
     return {
         "scheduler_cls": SCHEDULER_CLASS,
         "worker_cls": WORKER_CLASS,
-        "enable_prefix_caching": False,
+        "enable_prefix_caching": bool(prefix_caching),
         "async_scheduling": False,
         "compilation_config": {"cudagraph_mode": CUDAGRAPH_MODE, **(compilation_config or {})},
         "additional_config": {CONFIG_KEY: settings.to_config()},
@@ -147,7 +152,7 @@ def serve_flags(**settings) -> list[str]:
     return [
         "--scheduler-cls", args["scheduler_cls"],
         "--worker-cls", args["worker_cls"],
-        "--no-enable-prefix-caching",
+        "--enable-prefix-caching" if args["enable_prefix_caching"] else "--no-enable-prefix-caching",
         "--no-async-scheduling",
         "--compilation-config", json.dumps(args["compilation_config"], sort_keys=True),
         "--additional-config", json.dumps(args["additional_config"], sort_keys=True),

@@ -42,6 +42,10 @@ class CompactionOp:
     freed_blocks: int  # blocks returned to the pool by this round
     free_blocks: int  # the block pool's free blocks right after the request's tail was returned
     held_blocks: int  # blocks held by all running requests at that moment
+    # copy-on-write (prefix caching): (original, copy) block ids of the request's first blocks that another request
+    # may read; the worker copies each original into its copy, which replaces it in the request's blocks, before the
+    # round, so the round never writes into a cached or shared block
+    copies: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass

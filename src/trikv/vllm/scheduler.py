@@ -24,11 +24,35 @@ from the cost of a round at 8B-model shapes: about a quarter of a decode step ea
 limit decodes on, a token a step, until the step that would give it a block past budget + divide_length + one
 block, and is compacted then whatever the limit; a request still prefilling never waits.
 
+Speculative decoding (n-gram drafts): vLLM schedules a request's k draft tokens as extra tokens of its step,
+writes their KV, and once the step is verified takes the rejected ones off `num_computed_tokens`. Every count here
+stays logical, so the physical length (logical - offset, the offset unchanged by a step) rolls back with it: the
+next step's tokens are written from that physical slot on, over the rejected drafts' stale entries, and the blocks
+vLLM allocated for them stay the request's until a round returns them. Rounds are planned before a step, after the
+previous step's rejections were taken off, so a round sees the verified tokens only (slots below
+num_computed_tokens - offset); a stale entry past them is neither scored nor kept. A step's draft tokens are cut
+so that it ends at budget + divide_length at the latest (`_reserve_prefill_lookahead`), and dropped while the
+request's round waits (it decodes one token a step, as without drafts): a round falls due at the very length it
+would without speculation (same rounds, so at temperature 0 the same tokens), and no step holds more entries than
+without it, so the bound is unchanged (n-gram drafts keep no KV of their own: vLLM reserves no lookahead slots).
+
 Preemption: vLLM drops a preempted request's blocks and later recomputes its whole history (prompt and output so
 far) as a prefill, under the same rule: a request preempted at 30K tokens is readmitted for its bound, not for
 30K tokens of free blocks, and does not hold up the requests queued behind it. Its cache after the recompute is a
 new selection over the recomputed history (rounds at chunk boundaries rather than every divide_length tokens), so
 its later tokens can differ from an unpreempted run's.
+
+Prefix caching (vLLM's automatic prefix caching, `enable_prefix_caching`): a block another request may read is
+never written. A round writes its request's first ceil(budget / block_size) blocks; each of them that is cached
+(hashed: a later prompt may hit it) or shared (ref_cnt > 1: another request holds it) is replaced by a fresh block
+from the pool, into which the worker copies it before the round (`_private_kept_blocks`, `CompactionOp.copies`);
+the original goes back to vLLM's pool through its free path with its contents and hash untouched. Fresh blocks are
+taken for all of a step's rounds before any block is returned, so none is a block a round of the step still reads.
+A compacted request's blocks are never cached again (`never_cache_compacted`: after a round they hold kept entries,
+not the KV of the tokens a hash names), so a request's blocks are cached only up to its first round, as they fill,
+and after a preemption again up to the first round of its recompute. A bounded request's hit is cut to end before
+budget + divide_length and, when its prefill runs in chunks, on its chunk grid (`_prefix_hit_limit`): its chunks
+and rounds, hence its tokens, are those it has without the hit, and it never holds more than its bound.
 
 Requests the engine cannot serve as asked are refused here too, not only in vLLM's front end (a `vllm serve`
 without trikv's plugin, an `LLM` whose requests skip the input processor): a malformed or out-of-range
@@ -41,10 +65,12 @@ stop_reason, and the engine keeps serving. A full-attention request's output sto
 from __future__ import annotations
 
 import functools
+import math
 
 from vllm.logger import init_logger
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
+from vllm.v1.request import RequestStatus
 
 from .capacity import full_request_refusal, max_step_tokens, request_bound
 from .compactor import CompactionOp, StepPlan
@@ -95,6 +121,23 @@ def count_physical(manager, offsets: dict[str, int], admission_cap=lambda reques
     manager.allocate_new_blocks = allocate_blocks
 
 
+def never_cache_compacted(manager, compacted) -> None:
+    """Make `manager` (the full-attention group) cache (hash) no block of a request in `compacted` (its id is a key
+    there from its first round until it finishes or is preempted): after a round its blocks hold the kept entries of
+    the whole history, not the KV of the tokens their positions name, so a hash of those tokens would let another
+    request hit KV that is not theirs. Before its first round a request's blocks hold exactly the KV of its tokens
+    and are cached as vLLM caches any request's (full blocks, as they fill)."""
+    cache = manager.cache_blocks
+
+    @functools.wraps(cache)
+    def cache_blocks(request, *args, **kwargs):
+        if request.request_id in compacted:
+            return None
+        return cache(request, *args, **kwargs)
+
+    manager.cache_blocks = cache_blocks
+
+
 class TriKVScheduler(Scheduler):
     """vLLM's scheduler with a bounded KV cache per request (settings in `additional_config["trikv"]`)."""
 
@@ -117,6 +160,7 @@ class TriKVScheduler(Scheduler):
         # the most tokens one full-attention request can hold in this pool (prompt and output)
         self._trikv_full_capacity = self._largest_request_fitting(self.kv_cache_manager.block_pool.num_gpu_blocks - 1)
         count_physical(self._trikv_manager, self.trikv_offsets, self._admission_cap)
+        never_cache_compacted(self._trikv_manager, self.trikv_offsets)  # prefix caching: only uncompacted KV is hashed
         self._announce_capacity()
 
     def schedule(self, *args, **kwargs):
@@ -194,16 +238,32 @@ class TriKVScheduler(Scheduler):
         due = []  # (request, budget, physical length)
         for request in self.running:  # prefilling or decoding: a long prefill is compacted between its chunks
             budget = self._budget_of(request)
+            # verified tokens only: vLLM took the previous step's rejected draft tokens off num_computed_tokens
+            # before this step is planned, and their stale entries past `length` are neither scored nor kept
             length = request.num_computed_tokens - self.trikv_offsets.get(request.request_id, 0)
             if budget is not None and length >= settings.round_trigger(budget):
                 due.append((request, budget, length))
-        for request, budget, length in self._spread(due):
+        chosen = self._spread(due)
+        # copy-on-write for every round of the step before any block goes back to the pool, so that no fresh block
+        # is one a round of this step still reads
+        private = {request.request_id: self._private_kept_blocks(request.request_id, -(-budget // self._trikv_block))
+                   for request, budget, _ in chosen}
+        for request, budget, length in chosen:
+            copies = private[request.request_id]
+            if copies is None:
+                log.warning("trikv: request %s waits for its round: its first blocks are shared with another request "
+                            "and the pool has no free block to copy them to", request.request_id)
+                continue
             computed = request.num_computed_tokens
             kept_blocks = -(-budget // self._trikv_block)
             blocks = self._trikv_manager.req_to_blocks[request.request_id]
             tail = blocks[kept_blocks:]
             del blocks[kept_blocks:]
-            pool.free_blocks(reversed(tail))
+            released = []
+            for index, fresh in copies:  # the round writes into the copy; the original keeps its contents and hash
+                released.append(blocks[index])
+                blocks[index] = fresh
+            pool.free_blocks([*reversed(tail), *reversed(released)])  # vLLM's order: the prefix's blocks evicted last
             held[request.request_id] = len(blocks)
             self.trikv_offsets[request.request_id] = computed - budget
             self.trikv_rounds += 1
@@ -221,18 +281,72 @@ class TriKVScheduler(Scheduler):
                     prompt_length=request.num_prompt_tokens,
                     kept_blocks=len(blocks),
                     freed_blocks=len(tail),
+                    copies=tuple((old.block_id, fresh.block_id) for old, (_, fresh) in zip(released, copies)),
                     free_blocks=pool.get_num_free_blocks(),
                     held_blocks=sum(held.values()),
                 )
             )
         return rounds
 
+    def _private_kept_blocks(self, request_id: str, kept: int) -> list | None:
+        """Copy-on-write for a round of `request_id`, which writes its kept entries into its first `kept` blocks:
+        [(index, fresh block)] for each of them another request may read, a block shared with a running request
+        (ref_cnt > 1) or cached (a hash a later request's prompt may hit). The round writes into the fresh block (the
+        worker copies the original into it first), and the original goes back to the pool untouched, still cached:
+        a hit never returns a block whose contents differ from what its hash names. A block held by this request
+        alone and not cached is written in place, as without prefix caching (the only kind there is then).
+
+        Fresh blocks come from the pool's free blocks; where there are too few, a cached block held by this request
+        alone loses its hash (`BlockPool._maybe_evict_cached_block`, as vLLM evicts a cached block it reuses) and is
+        written in place. None (no round this step) when even the shared blocks cannot all be copied."""
+        pool = self.kv_cache_manager.block_pool
+        blocks = self._trikv_manager.req_to_blocks[request_id][:kept]
+        readable = [index for index, block in enumerate(blocks)
+                    if not pool.is_block_writable(block) or block.block_id in pool.cached_block_hashes_by_block]
+        if not readable:
+            return []
+        free = pool.get_num_free_blocks()
+        shared = [index for index in readable if blocks[index].ref_cnt > 1]
+        if len(shared) > free:
+            return None
+        copied = sorted(shared + [index for index in readable if blocks[index].ref_cnt <= 1][: free - len(shared)])
+        for index in set(readable) - set(copied):
+            pool._maybe_evict_cached_block(blocks[index])
+        return list(zip(copied, pool.get_new_blocks(len(copied))))
+
+    def _get_local_prefix_cache_hit(self, request):
+        """vLLM's prefix-cache hit for a waiting request, limited for a bounded one (`_prefix_hit_limit`)."""
+        blocks, hit, boundary, diverged = super()._get_local_prefix_cache_hit(request)
+        budget = self._budget_of(request) if hit else None
+        if budget is None:
+            return blocks, hit, boundary, diverged
+        limit = self._prefix_hit_limit(request, budget, hit)
+        if limit >= hit:
+            return blocks, hit, boundary, diverged
+        if limit == 0 or len(self.kv_cache_manager.coordinator.single_type_managers) > 1:
+            # a sliding-window group's hit holds its window's blocks at the hit's end: no shorter hit is cut from it
+            return self.kv_cache_manager.empty_kv_cache_blocks, 0, 0, False
+        return self.kv_cache_manager.truncate_computed_blocks(blocks, limit), limit, 0, diverged
+
+    def _prefix_hit_limit(self, request, budget: int, hit: int) -> int:
+        """The longest prefix-cache hit (tokens) a bounded request takes, at most `hit`. A prefill that fits under
+        budget + divide_length runs as vLLM schedules it (no round falls due inside it): the whole hit. A longer one
+        runs in chunks of `prefill_chunk_size` from token 0 with rounds between them: the hit ends on that grid and
+        before budget + divide_length (a block boundary too), so the request's chunks and rounds are those it has
+        without the hit (its tokens do not depend on what the cache held) and it never holds more than its bound."""
+        trigger = self.trikv.round_trigger(budget)
+        if request.num_tokens <= trigger:
+            return hit
+        grid = math.lcm(self._trikv_chunk, self._trikv_block)
+        return min(hit, trigger - 1) // grid * grid
+
     def _spread(self, due: list) -> list:
         """The due requests compacted in this step: all of them when they are at most the step's limit
         (`BoundedKVSettings.rounds_per_step`), else that many (the longest first) plus every request that cannot
         wait: one still prefilling (its next chunk would land on top of an uncompacted cache) and one that would
-        need a block past budget + divide_length + one block. The others decode a few more tokens first, so rounds
-        that fall due together do not all land on one step."""
+        need a block past budget + divide_length + one block. The others decode a few more tokens first (one a
+        step: a waiting request's draft tokens are dropped, `_reserve_prefill_lookahead`), so rounds that fall due
+        together do not all land on one step."""
         if len(due) <= self._trikv_rounds_per_step:
             return due
         due = sorted(due, key=lambda item: -item[2])
@@ -259,13 +373,23 @@ class TriKVScheduler(Scheduler):
         before their blocks are allocated; trikv caps there the prefill of a bounded request whose remaining
         prefill would take it past budget + divide_length to one chunk (`BoundedKVSettings.prefill_step_tokens`),
         so a round can run before the next one. A prefill that fits under budget + divide_length runs as vLLM
-        schedules it (no round can fall due inside it), as on the transformers path."""
+        schedules it (no round can fall due inside it), as on the transformers path.
+
+        A decoding request's draft tokens (speculative decoding) are cut so that its step ends at budget +
+        divide_length at the latest, and dropped while its round waits (`_spread`): its round falls due at the
+        length it would without drafts, and no step holds more entries than one without them."""
         num_new_tokens = super()._reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens)
         budget = self._budget_of(request)
         if budget is None or num_new_tokens <= 1:
             return num_new_tokens
         physical = num_computed_tokens - self.trikv_offsets.get(request.request_id, 0)
-        if physical + request.num_tokens - num_computed_tokens <= self.trikv.round_trigger(budget):
+        trigger = self.trikv.round_trigger(budget)
+        known = request.num_tokens - num_computed_tokens  # the tokens the request has, draft tokens not counted
+        if num_new_tokens > known and request.status == RequestStatus.RUNNING:
+            # the rest are draft tokens (a waiting request's are placeholders vLLM pads a batch with and needs whole;
+            # it is admitted below its trigger)
+            return max(known, min(num_new_tokens, trigger - physical))
+        if physical + known <= trigger:
             return num_new_tokens
         return min(num_new_tokens, self._trikv_chunk)
 

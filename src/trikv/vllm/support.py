@@ -1,9 +1,11 @@
 """What trikv's vLLM integration supports, checked at engine start-up with messages that say what to change.
 
 trikv subclasses vLLM's scheduler, worker and model runner and overrides private methods, so it is tied to
-one vLLM minor release (SUPPORTED_VLLM). Features that would silently break a compacted cache are refused:
-prefix caching (shared blocks would be rewritten), speculative decoding (unverified tokens in the count),
-pipeline / context parallelism, KV connectors, quantised KV caches other than fp8 with per-layer scales, the V2
+one vLLM minor release (SUPPORTED_VLLM). Prefix caching runs beside it (a round copies the cached and shared
+blocks it would write, and a compacted request's blocks are never cached: `scheduler.py`). Features that would
+silently break a compacted cache are refused: speculative decoding other than vLLM's n-gram drafts
+(`speculation_problem`: a drafter with its own KV cache would keep it unbounded and out of step with the target's
+compacted one), pipeline / context parallelism, KV connectors, quantised KV caches other than fp8 with per-layer scales, the V2
 model runner, CUDA graph modes that capture attention (FULL, FULL_DECODE_ONLY, FULL_AND_PIECEWISE: a replayed graph
 reads the sequence lengths it was captured with), an engine without chunked prefill (trikv prefills a long prompt,
 or a preempted request's history, in chunks compacted between them), a front end without trikv's request checks,
@@ -70,6 +72,35 @@ def graph_mode_problem(compilation_config) -> str | None:
             "--enforce-eager (no graphs)")
 
 
+# the speculative methods whose drafts run beside a bounded cache (tested: tests/test_vllm.py, n-gram scenarios)
+SUPPORTED_SPECULATIVE_METHODS = ("ngram",)
+
+
+def speculation_problem(speculative_config) -> str | None:
+    """Why this speculative decoding cannot run beside a compacted cache, or None (none configured, or n-gram drafts).
+
+    N-gram drafts are looked up in the request's token ids and keep no KV of their own: vLLM writes the draft tokens'
+    KV as tokens of the step, through the same physical slots as any other (the worker maps their logical positions),
+    and rolls the rejected ones back with num_computed_tokens, which every trikv count follows. A drafter with its own
+    KV cache (a draft model, EAGLE / MTP heads) is refused: its layers would hold every position of the request while
+    the target's are compacted, unbounded and attending over entries the target dropped (its KV would have to follow
+    the target's kept positions, which trikv selects per target layer and KV head). Other methods are refused until
+    tested; so is a number of draft tokens varying with the batch size."""
+    if speculative_config is None:
+        return None
+    method = speculative_config.method
+    if method not in SUPPORTED_SPECULATIVE_METHODS:
+        reason = ("its drafter keeps a KV cache of its own, which would stay unbounded and out of step with the "
+                  "compacted target cache" if speculative_config.uses_draft_kv_cache() else "it is not tested with a "
+                  "bounded cache")
+        return (f"speculative decoding method {method!r} is not supported ({reason}); n-gram drafts are: "
+                'speculative_config={"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": ...}')
+    if speculative_config.num_speculative_tokens_per_batch_size:
+        return ("a number of speculative tokens that varies with the batch size (num_speculative_tokens_per_batch_size) "
+                "is not supported: give num_speculative_tokens alone")
+    return None
+
+
 def check_vllm_version(version: str | None = None) -> str:
     """Return the installed vLLM version; raise UnsupportedEngineError naming the supported range otherwise."""
     if version is None:
@@ -107,14 +138,12 @@ def check_engine_config(vllm_config, settings: BoundedKVSettings | None) -> None
     cache_config = vllm_config.cache_config
     parallel = vllm_config.parallel_config
     problems = []
-    if cache_config.enable_prefix_caching:
-        problems.append("prefix caching is on (compaction rewrites blocks other requests may share): pass enable_prefix_caching=False / --no-enable-prefix-caching")
     if cache_config.cache_dtype not in SUPPORTED_KV_CACHE_DTYPES:
         problems.append(f"KV cache dtype {cache_config.cache_dtype!r}: trikv compacts the model's own dtype ('auto') and fp8 "
                         f"with one scale per layer ({', '.join(SUPPORTED_KV_CACHE_DTYPES[1:])}); formats with scales per "
                         "token, head or block of values are not read")
-    if vllm_config.speculative_config is not None:
-        problems.append("speculative decoding is not supported with a compacted cache")
+    if (speculation := speculation_problem(vllm_config.speculative_config)) is not None:
+        problems.append(speculation)
     if parallel.pipeline_parallel_size != 1:
         problems.append(f"pipeline parallelism ({parallel.pipeline_parallel_size} stages) is not supported; use tensor or data parallelism")
     if getattr(parallel, "decode_context_parallel_size", 1) != 1 or getattr(parallel, "prefill_context_parallel_size", 1) != 1:

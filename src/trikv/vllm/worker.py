@@ -5,7 +5,8 @@
 1. forgets the requests that finished or were preempted, then runs the step's rounds (`Compactor`): keys
    and values of the due requests are read from their blocks, scored, and the kept `budget` per (layer,
    KV head) written back into the first blocks; the runner's block lists are cut to the blocks the
-   scheduler kept;
+   scheduler kept (with prefix caching, those of the first blocks another request may read are first copied
+   into fresh blocks the scheduler gave, which take their place: `_trikv_copy_on_write`);
 2. builds the inputs as vLLM does, then, for the full-attention KV cache group only, subtracts each request's
    offset from the slot of every new token and from its sequence length in that group's attention metadata:
    attention and KV writes use the compacted length, RoPE keeps the logical positions. A hybrid model's
@@ -138,6 +139,7 @@ class BoundedKVRunner:
         if not plan.rounds:
             return
         group = self._trikv_group
+        self._trikv_copy_on_write(plan.rounds)
         block_ids = {op.request_id: self.requests[op.request_id].block_ids[group] for op in plan.rounds}
         compactor.run(plan.rounds, self._trikv_caches, self._trikv_codecs, block_ids, self._trikv_key_scales)
         for op in plan.rounds:
@@ -147,6 +149,25 @@ class BoundedKVRunner:
             if row is not None:  # the row rewritten whole: no stale block id past the kept ones
                 self.input_batch.block_table.clear_row(row)
                 self.input_batch.block_table.add_row(state.block_ids, row)
+
+    def _trikv_copy_on_write(self, rounds) -> None:
+        """Before the step's rounds: copy every block a round would write that another request may read (the
+        scheduler's `CompactionOp.copies`: shared or cached) into the fresh block the scheduler gave the request, and
+        put the copy in its place in the request's block list, so the round reads and writes the copy and the original
+        keeps the contents its hash names. All copies run before any round: a round of this step may read an original
+        (never a fresh block: the scheduler takes them before it returns any block to the pool)."""
+        from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
+        from vllm.v1.worker.utils import copy_kv_cache_blocks_inplace
+
+        copies = []
+        for op in rounds:
+            if op.copies:
+                ids = self.requests[op.request_id].block_ids[self._trikv_group]
+                replaced = dict(op.copies)
+                ids[:] = [replaced.get(block, block) for block in ids]
+                copies += [KVCacheBlockCopy(src_block_id=old, dst_block_id=new) for old, new in op.copies]
+        if copies:  # vLLM's own block copy (its prefix-cache copy-on-write), over the full-attention layers
+            copy_kv_cache_blocks_inplace(self._trikv_caches, self.kv_cache_config.num_blocks, copies)
 
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
         result = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)

@@ -155,7 +155,7 @@ def write_report(folders: list[Path] | Path, out: Path) -> Path:
         "**Reference answers**: uncapped full attention on the transformers path (the same weights, greedy); `agrees` "
         "= the same first line of answer. On vLLM every message is a stateless request: the whole conversation is sent "
         "again and prefilled again, in chunks with rounds between them when bounded (prefix caching off for every "
-        "engine, the same rule for all; trikv does not run with vLLM's prefix caching), so its time to first token "
+        "engine, the same rule for all), so its time to first token "
         "grows with the conversation. Intervals are 95% bootstrap intervals over sessions.",
         "",
     ]
