@@ -151,7 +151,7 @@ if wants report; then
   # the kept copies stand in for run folders that are not on this machine
   folders=()
   for run in qwen2.5-coder-1.5b-traces qwen2.5-coder-0.5b-traces smollm2-135m-traces gemma3-270m-traces \
-             qwen2.5-coder-1.5b-heldout2 qwen2.5-coder-1.5b-heldout qwen2.5-coder-1.5b-design; do
+             qwen2.5-coder-1.5b-heldout2 qwen2.5-coder-1.5b-heldout qwen2.5-coder-1.5b-design smollm2-135m-prefill; do
     if [ -f runs/quality/$run/results.json ]; then folders+=(runs/quality/$run); elif [ -f docs/runs/$run/results.json ]; then folders+=(docs/runs/$run); fi
   done
   trikv bench report "${folders[@]}" --preregistration docs/preregistration.json --earlier docs/results-earlier.md \
