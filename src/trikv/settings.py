@@ -131,10 +131,6 @@ class CacheSettings:
             raise ValueError(f"options must be a dict of method options, got {self.options!r}")
         if "stats" in self.options:
             raise ValueError("give the statistics as `stats`, not inside `options`")
-        if isinstance(self.stats, (str, PathLike)):  # a bundled name or a file: loaded here, checked against the model at bind
-            from .calibration import load_stats
-
-            object.__setattr__(self, "stats", load_stats(self.stats))
         if self.needs_stats and self.stats is None:
             raise ValueError(
                 f"method {self.method!r} needs calibration statistics: pass stats= a bundled name (e.g. 'smollm2-135m'), "
@@ -143,6 +139,11 @@ class CacheSettings:
         if self.stats is not None and not self.needs_stats:
             raise ValueError(f"method {self.method!r} uses no statistics; remove stats")
         check_recent_window(self.method, self.make_policy().recent_window, self.budget)
+        # a bundled name or a file: loaded once the settings are valid, checked against the model at bind
+        if isinstance(self.stats, (str, PathLike)):
+            from .calibration import load_stats
+
+            object.__setattr__(self, "stats", load_stats(self.stats))
 
     @property
     def needs_stats(self) -> bool:
