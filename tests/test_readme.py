@@ -110,8 +110,10 @@ RULES = [
          files=("runs/speed/main/speed.json",)),
     Rule(r"trikv bench speed --batch-sizes 8 .*", append="--batch-sizes 2 --contexts 32,128 --budgets 32 --steps 4 --warmup 1 "
          "--seed-tokens 64 --max-kv-gb 1 --threads 1 --no-progress", files=("runs/speed/b8_floor/speed.json",)),
-    Rule(r"trikv bench speed --whole-generation .*", append="--whole-generation 48 --batch-sizes 1 --budgets 16 "
-         "--prompt-tokens 16 --threads 1 --no-progress", files=("runs/speed/whole/whole.json",)),
+    Rule(r"trikv bench speed --whole-generation .* --out runs/speed/whole-b1", append="--whole-generation 48 --batch-sizes 1 "
+         "--budgets 16 --prompt-tokens 16 --threads 1 --no-progress", files=("runs/speed/whole-b1/whole.json",)),
+    Rule(r"trikv bench speed --whole-generation .* --out runs/speed/whole-busy", append="--whole-generation 48 --batch-sizes 1 "
+         "--budgets 16 --prompt-tokens 16 --threads 1 --no-progress", files=("runs/speed/whole-busy/whole.json",)),
     Rule(r"trikv bench speed --memory-run .*", append="--memory-run 96 --budgets 32 --contexts 64 --batch-sizes 1 "
          "--steps 4 --warmup 1 --seed-tokens 64 --no-llama-cpp --no-engine-check --threads 1 --no-progress",
          files=("runs/speed/memory/memory.json",)),
