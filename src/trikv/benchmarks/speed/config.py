@@ -62,3 +62,15 @@ def _short(r: RunResult) -> str:
     ratio = "" if r.speedup_vs_full is None else f" x{r.speedup_vs_full:.2f} vs full (bound x{r.bound_speedup_vs_full:.2f})"
     return (f"{r.engine:12s} b={r.batch} ctx={r.context:6d} {label:24s} {r.tokens_per_second:8.1f} tok/s "
             f"p50 {r.ms_p50:7.1f} ms p99/p50 {r.p99_over_p50:4.2f} score {100 * r.scoring_share:4.1f}%{ratio}")
+
+
+def check_methods_and_engines(config: "SpeedConfig") -> None:
+    """Refuse an unknown method or engine, naming the known ones."""
+    from ...policies import REGISTRY
+
+    for method in config.methods:
+        if method not in REGISTRY:
+            raise ValueError(f"unknown method {method!r}; available: {', '.join(REGISTRY)}")
+    for engine in config.engines:
+        if engine not in ("lean", "transformers"):
+            raise ValueError(f"unknown engine {engine!r}; expected lean or transformers")

@@ -20,7 +20,7 @@ from .decode import DecodeRun, RunResult, _needs_stats
 from .peers import run_llama_cpp
 from .engines import compare_engines
 from .report import plot_memory, write_outputs
-from .config import SpeedConfig, _label, _log, _short
+from .config import SpeedConfig, _label, _log, _short, check_methods_and_engines
 
 
 
@@ -42,14 +42,8 @@ def _load_stats(config: SpeedConfig, model):
 
 def run_speed(config: SpeedConfig, model=None, tokenizer=None, stats=None) -> dict:
     """Run the grid; returns the JSON-able record (also written to `config.out` with CSV, PNG and table)."""
-    from ...policies import REGISTRY
 
-    for method in config.methods:
-        if method not in REGISTRY:
-            raise ValueError(f"unknown method {method!r}; available: {', '.join(REGISTRY)}")
-    for engine in config.engines:
-        if engine not in ("lean", "transformers"):
-            raise ValueError(f"unknown engine {engine!r}; expected lean or transformers")
+    check_methods_and_engines(config)
     if config.threads:
         torch.set_num_threads(config.threads)
     if model is None:

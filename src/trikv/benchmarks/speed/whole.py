@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from ...generation import cache_entries
-from .config import SpeedConfig, _label, _log
+from .config import SpeedConfig, _label, _log, check_methods_and_engines
 from .decode import _needs_stats, _percentile
 from .paired import (INTERLEAVE_BLOCK, Decoding, break_even_context, first_round_step, interleave, paired_blocks,
                      paired_ratio)
@@ -124,16 +124,10 @@ def _compare(full: Decoding, bounded: Decoding, row: WholeResult) -> None:
 def run_whole_generation(config: SpeedConfig, model, tokenizer, stats) -> dict:
     """Every (engine, batch, N) group of `config.whole_generation`; returns the record written to whole.json."""
     from ...lean import stock_layout_copy
-    from ...policies import REGISTRY
     from ..report_pages import repository_commit
     from .machine import kv_bytes_per_token, peak_rss, release_free_memory
 
-    for method in config.methods:
-        if method not in REGISTRY:
-            raise ValueError(f"unknown method {method!r}; available: {', '.join(REGISTRY)}")
-    for engine in config.engines:
-        if engine not in ("lean", "transformers"):
-            raise ValueError(f"unknown engine {engine!r}; expected lean or transformers")
+    check_methods_and_engines(config)
     if "full" not in config.methods:
         raise ValueError("--whole-generation compares each bounded cache with full attention: include 'full' in --methods")
     if any(n < 1 for n in config.whole_generation) or config.prompt_tokens < 1:
