@@ -395,3 +395,16 @@ def test_memory_plot_shows_full_attention_beside_the_bounded_cache(tmp_path, mon
         tokens = [s["tokens"] for s in record["samples"]]
         assert list(drawn[-1][full]) == pytest.approx([t * per_token / 2**20 for t in tokens])
         assert any(label.startswith("triattention B=256") for label in drawn[-1])
+
+
+def test_an_unknown_method_or_engine_is_refused_before_a_model_loads_in_every_mode():
+    """The grid, --whole-generation and --memory-run refuse an unknown method or engine with the known names."""
+    import subprocess
+    import sys
+
+    for mode in ([], ["--whole-generation", "48"], ["--memory-run", "48"]):
+        for bad, message in ((["--methods", "full,magic"], "unknown method 'magic'; available: full, triattention"),
+                             (["--engines", "turbo"], "unknown engine 'turbo'; expected lean or transformers")):
+            done = subprocess.run([sys.executable, "-m", "trikv", "bench", "speed", *mode, *bad, "--out", "unused"],
+                                  capture_output=True, text=True, timeout=120)
+            assert done.returncode != 0 and message in done.stderr, (mode, bad, done.stderr[-500:])

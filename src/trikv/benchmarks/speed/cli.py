@@ -57,6 +57,7 @@ def add_speed_arguments(parser) -> None:
 def speed_main(args) -> int:
     import torch
 
+    from .config import check_methods_and_engines
     from .runner import _load, _load_stats, memory_run, run_speed
 
     config = SpeedConfig(
@@ -69,6 +70,7 @@ def speed_main(args) -> int:
         progress=not args.no_progress, command="trikv " + " ".join(sys.argv[1:]),
         whole_generation=args.whole_generation, prompt_tokens=args.prompt_tokens,
     )
+    check_methods_and_engines(config)  # before a model is loaded, in every mode
     if args.whole_generation and args.memory_run:
         raise SystemExit("--whole-generation and --memory-run are separate runs: give one of them")
     if args.memory_run:
