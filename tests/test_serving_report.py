@@ -213,3 +213,128 @@ def test_serving_page_opens_with_its_own_title_commit_line_and_headline_box(tmp_
     with pytest.raises(ValueError, match="already has the title"):
         write_serving_report([folder], docs / "serving-again.md")
     assert write_serving_report([folder], docs / "serving-again.md", title="Again").read_text().startswith("# Again\n")
+
+
+# ---- KV cache dtypes: the same pool bytes at every dtype, run names, the page's rows -----------------------------
+def test_the_pool_is_the_same_bytes_at_every_kv_cache_dtype(tmp_path):
+    """A bfloat16 model's fp8 pool has twice the blocks of its auto pool (a float32 model's four times), and a block
+    weighs half (a quarter): the pool's bytes are the same; the spec and the engine's arguments carry the dtype."""
+    from trikv.benchmarks import serving
+    from trikv.benchmarks.serving_engine import _engine_kwargs
+
+    args = _serve_args("--dtype", "bfloat16", "--length", "4096", "--pool-requests", "4", "--kv-cache-dtype", "auto,fp8")
+    assert serving.pool_blocks(args, "auto") == 4 * 128 + 1 and serving.pool_blocks(args, "fp8") == 2 * 4 * 128 + 1
+    layouts = {d: serving.kv_layout("smollm2-135m", "bfloat16", d, 32) for d in ("auto", "fp8")}
+    assert layouts["fp8"]["element_bytes"] == 1 and layouts["auto"]["entry_bytes"] == 2 * layouts["fp8"]["entry_bytes"]
+    assert ((serving.pool_blocks(args, "auto") - 1) * layouts["auto"]["block_bytes"]
+            == (serving.pool_blocks(args, "fp8") - 1) * layouts["fp8"]["block_bytes"])
+    # SmolLM2-135M: 30 layers, 3 KV heads of 64: keys and values of a token at one byte per element
+    assert layouts["fp8"]["entry_bytes"] == 2 * 30 * 3 * 64
+    wide = _serve_args("--dtype", "float32", "--length", "4096", "--pool-requests", "4")
+    assert serving.pool_blocks(wide, "fp8_e5m2") - 1 == 4 * (serving.pool_blocks(wide, "auto") - 1)
+    config = {"method": "triattention", "budget": 512, "kv_cache_dtype": "fp8", "concurrency": 16}
+    spec = serving._spec(args, config, "offline", tmp_path, 0)
+    assert spec["pool_blocks"] == 1025 and spec["kv_cache_dtype"] == "fp8" and _engine_kwargs(spec)["kv_cache_dtype"] == "fp8"
+    plain = serving._spec(args, {**config, "kv_cache_dtype": "auto"}, "offline", tmp_path, 0)
+    assert "kv_cache_dtype" not in plain and _engine_kwargs(plain)["kv_cache_dtype"] == "auto"
+
+
+def test_each_method_runs_at_each_kv_cache_dtype_under_its_own_name():
+    from trikv.benchmarks import serving
+
+    args = _serve_args("--concurrency", "16", "--methods", "full,triattention", "--kv-cache-dtype", "auto,fp8")
+    assert [serving._label(config) for config in serving._configurations(args)] == [
+        "full-n16", "triattention-B512-n16", "full-fp8-n16", "triattention-B512-fp8-n16"]
+    assert serving._label({"method": "full", "budget": None, "concurrency": 8}) == "full-n8"  # a run recorded before
+
+
+@pytest.mark.parametrize("value, unknown", [("auto,fp16", "'fp16'"), ("fp8,int8", "'int8'"), (",", None)])
+def test_a_bad_kv_cache_dtype_is_refused_before_any_engine(value, unknown, capsys):
+    from trikv.benchmarks import serving
+    from trikv.cli import main
+
+    with pytest.raises(ValueError, match="--kv-cache-dtype takes a comma-separated list of auto, fp8, fp8_e4m3, fp8_e5m2"):
+        serving.kv_cache_dtypes(value)
+    assert main(["bench", "serve", "--kv-cache-dtype", value, "--out", "/nonexistent/never-written"]) == 2
+    error = capsys.readouterr().err
+    assert f"trikv bench: error: --kv-cache-dtype takes a comma-separated list of auto, fp8, fp8_e4m3, fp8_e5m2; got {value!r}" in error
+    if unknown:
+        assert f"({unknown} unknown)" in error
+
+
+def test_max_batch_climbs_each_engine_at_each_kv_cache_dtype(tmp_path, monkeypatch):
+    """Full attention's fp8 pool (twice the blocks) holds more pre-aged requests, so it climbs further; every engine
+    is compared with full attention at its own KV dtype and with itself at auto; floors run at each engine's KV dtype."""
+    from trikv.benchmarks import serving
+
+    args = _serve_args("--dtype", "bfloat16", "--length", "8192", "--concurrency", "8,16,32", "--methods", "full,triattention",
+                       "--kv-cache-dtype", "auto,fp8", "--max-batch")
+    labels = []
+
+    def run_one(spec, out, label, reuse=False):
+        labels.append(label)
+        fp8 = spec.get("kv_cache_dtype") == "fp8"
+        tokens = spec["concurrency"] * (10.0 if spec.get("trikv") else 5.0) * (1.5 if fp8 else 1.0)
+        return {"output_tokens_per_second": tokens, "tpot_seconds": {"p50": 0.1, "p99": 0.12}, "preemptions_in_window": 0,
+                "warmup_seconds": 1.0, "window_seconds": 1.0, "peak_kv_blocks": 100,
+                "trikv": {"rounds": 1, "seconds": 0.1, "max_request_blocks": 20} if spec.get("trikv") else None}
+
+    monkeypatch.setattr(serving, "run_one", run_one)
+    runs, summary = serving.max_batch(args, serving._configurations(args), "offline", tmp_path)
+    assert [label for label in labels if label.startswith("full")] == ["full-n8-offline", "full-fp8-n8-offline", "full-fp8-n16-offline"]
+    assert "triattention-B512-fp8-n32-offline" in labels and "floor-fp8-n32-offline" in labels and "floor-n32-offline" in labels
+    by_engine = {serving.engine_name(entry): entry for entry in summary}
+    assert set(by_engine) == {"full", "triattention B=512", "full fp8", "triattention B=512 fp8"}
+    assert by_engine["full fp8"]["best_concurrency"] == 16 and by_engine["full fp8"]["pool_blocks"] == 2 * 4 * 256 + 1
+    assert by_engine["triattention B=512 fp8"]["best_vs_full_best"] == pytest.approx(320 * 1.5 / (80 * 1.5))  # same KV dtype
+    assert by_engine["triattention B=512 fp8"]["best_vs_auto_best"] == pytest.approx(1.5)
+    assert by_engine["full fp8"]["best_vs_auto_best"] == pytest.approx(120 / 40)
+    assert by_engine["full"]["best_vs_auto_best"] is None
+    fp8_run = next(run for run in runs if serving._label(run) == "triattention-B512-fp8-n32")
+    layout = serving.kv_layout("smollm2-135m", "bfloat16", "fp8", 32)
+    kv = serving.request_kv_bytes(fp8_run, layout, 8192, 128)
+    assert kv["stated_entries"] == 512 + 128 and kv["stated_bytes"] == 640 * 2 * 30 * 3 * 64
+    assert kv["max_request_bytes"] == 20 * 32 * 2 * 30 * 3 * 64 and kv["mean_bytes_at_peak"] == 100 * 32 * 2 * 30 * 3 * 64 / 32
+
+
+def test_serving_page_names_the_kv_dtype_of_every_row(tmp_path):
+    """A max-batch record at auto and fp8: the run table has a KV dtype column, the max-batch table an engine
+    `triattention B=512 fp8` and its `x auto`, the pool rule and the KV bytes per request are stated."""
+    from trikv.benchmarks import serving
+    from trikv.benchmarks.serving_report import write_serving_report
+
+    record = _serving_record(3.0)
+    record["settings"].update(dtype="bfloat16", kv_cache_dtype="auto,fp8")
+    layouts = {d: serving.kv_layout("smollm2-135m", "bfloat16", d, 32) for d in ("auto", "fp8")}
+    fp8 = [{**run, "kv_cache_dtype": "fp8", "pool_blocks": 2049, "output_tokens_per_second": 1.2 * run["output_tokens_per_second"]}
+           for run in record["runs"]]
+    record["runs"] += fp8
+    for run in record["runs"]:
+        run["trikv"] = {"rounds": 10, "seconds": 0.5, "max_request_blocks": 20} if run["budget"] else None
+        run["kv_bytes"] = serving.request_kv_bytes(run, layouts[run.get("kv_cache_dtype", "auto")], 8192, 128)
+    record.update(pool_rule=serving.POOL_RULE, pool_bytes=1024 * layouts["auto"]["block_bytes"],
+                  pool_blocks_by_kv_dtype={"auto": 1025, "fp8": 2049}, kv_layout=layouts)
+    record["max_batch"] = [
+        {"method": m, "budget": b, "kv_cache_dtype": d, "best_concurrency": 32, "tokens_per_second": t, "stopped": "top",
+         "tpot_p50": 0.1, "tpot_p99": 0.15, "floor_tokens_per_second": 400.0, "share_of_floor": t / 400,
+         "compaction_share": 0.02 if b else None, "best_vs_full_best": None if b is None else 3.0,
+         "best_vs_auto_best": None if d == "auto" else 1.2}
+        for d in ("auto", "fp8") for m, b, t in (("full", None, 100.0 * (1.2 if d == "fp8" else 1)),
+                                                  ("triattention", 512, 300.0 * (1.2 if d == "fp8" else 1)))]
+    folder = _serving_folder(tmp_path, "fp8", record)
+    page = write_serving_report([folder], tmp_path / "docs" / "serving.md").read_text()
+    assert page.splitlines()[0].endswith("each one's best concurrency, KV cache bfloat16 and fp8, 8,192-token requests "
+                                          "(smollm2-135m, offline)")
+    assert "each engine's best over its best at bfloat16 KV: full fp8 x1.20, triattention B=512 fp8 x1.20" in page
+    assert "The rule: the KV pool is the same number of bytes for every KV cache dtype" in page
+    assert "- KV pool: 720 MiB at every KV dtype: bfloat16 KV 1024 blocks of 737,280 bytes (23,040 bytes per token: 2 per element); fp8 KV 2048 blocks" in page
+    table = page.split("```")[1].strip("\n").splitlines()
+    assert "KV dtype" in table[0]
+    assert table[2].split()[:3] == ["full-n32", "offline", "bfloat16"]
+    assert table[4].split()[:3] == ["full-fp8-n32", "offline", "fp8"] and table[4].split()[-1] == "2048"
+    assert "triattention B=512 fp8" in page and "x auto" in page
+    (line,) = [line for line in page.splitlines() if line.startswith("triattention-B512-fp8-n32")
+               and "fp8" in line.split()[1]]
+    # 640 entries x 11,520 bytes = 7.03 MiB stated; 20 blocks x 32 x 11,520 = 7.03 MiB held; 1000 blocks over 32 slots
+    assert line.split()[1:] == ["fp8", "11,520", "640", "7.03", "20", "7.03", "10.99"]
+    assert "triattention B=512 fp8 at its best concurrency vs full attention at its best (same KV dtype)" in page

@@ -119,7 +119,8 @@ def _engine_kwargs(spec: dict) -> dict:
     if spec.get("max_position_embeddings"):  # --beyond-trained-context
         extra["hf_overrides"] = {"max_position_embeddings": spec["max_position_embeddings"]}
     return {
-        "dtype": spec["dtype"], "enforce_eager": True, "block_size": spec["block_size"], "max_model_len": spec["length"],
+        "dtype": spec["dtype"], "kv_cache_dtype": spec.get("kv_cache_dtype", "auto"), "enforce_eager": True,
+        "block_size": spec["block_size"], "max_model_len": spec["length"],
         "num_gpu_blocks_override": spec["pool_blocks"], "max_num_seqs": spec["concurrency"],
         "max_num_batched_tokens": spec["max_batched_tokens"], "disable_log_stats": False, **extra,
     }
@@ -214,9 +215,25 @@ def run_offline(spec: dict) -> dict:
     })
     if spec.get("trikv"):
         result["trikv"] = llm.collective_rpc("trikv_stats")[0]
+    pool = kv_pool(llm)
+    if pool is not None:
+        result["kv_pool"] = pool
     engine.abort_request(list(tracker.added))
     shut_down(llm, spec.get("in_process", False))
     return result
+
+
+def kv_pool(llm) -> dict | None:
+    """The KV pool as the engine allocated it: its blocks, its bytes (every layer's KV tensors) and the bytes of one
+    block over every layer (page size x layers of each KV cache group); None where the engine core runs in another
+    process (its scheduler is not reachable from here)."""
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
+    config = getattr(getattr(core, "scheduler", None), "kv_cache_config", None)
+    if config is None:
+        return None
+    return {"num_blocks": config.num_blocks, "pool_bytes": sum(tensor.size for tensor in config.kv_cache_tensors),
+            "block_bytes": sum(group.kv_cache_spec.page_size_bytes * len(group.layer_names) for group in config.kv_cache_groups),
+            "cache_dtype": str(llm.llm_engine.vllm_config.cache_config.cache_dtype)}
 
 
 def shut_down(llm, in_process: bool) -> None:
@@ -248,7 +265,8 @@ def server_command(spec: dict) -> list[str]:
     args = [sys.executable, "-m", "trikv.vllm.launch", "serve", resolve_model_path(spec["model"]), "--port", str(spec["port"]),
             "--served-model-name", "model", "--dtype", spec["dtype"], "--enforce-eager", "--block-size", str(spec["block_size"]),
             "--max-model-len", str(spec["length"]), "--num-gpu-blocks-override", str(spec["pool_blocks"]),
-            "--max-num-seqs", str(spec["concurrency"]), "--max-num-batched-tokens", str(spec["max_batched_tokens"])]
+            "--max-num-seqs", str(spec["concurrency"]), "--max-num-batched-tokens", str(spec["max_batched_tokens"]),
+            "--kv-cache-dtype", spec.get("kv_cache_dtype", "auto")]
     if spec.get("trikv"):
         args += trikv.vllm.serve_flags(**spec["trikv"])
     return args

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 from .report_pages import command_line, embed_plot, page_header
-from .serving import TARGET_RATIO, format_max_batch, format_table
+from .serving import TARGET_RATIO, engine_name, format_kv_bytes, format_max_batch, format_table, kv_dtype_name
 
 MAX_BATCH_TARGET_RATIO = 3.0  # bounded engine's best output tokens/s over full attention's best, both at max batch
 MAX_BATCH_TARGET_LENGTH = 16384  # tokens per request where that target is judged (the paper decodes 16K)
@@ -31,7 +31,7 @@ def target_rows(record: dict) -> list[tuple[str, str, bool | None]]:
             continue
         ratio = run.get("throughput_vs_full")
         rows.append((
-            f"{run['method']} B=512, 32 concurrent {settings['length']}-token generations, pool = {settings['pool_requests']} "
+            f"{engine_name(run)}, 32 concurrent {settings['length']}-token generations, pool = {settings['pool_requests']} "
             f"full requests ({run['mode']}): >= {TARGET_RATIO}x full attention's output tokens/s",
             "full attention not measured" if ratio is None else f"x{ratio:.2f}",
             None if ratio is None else ratio >= TARGET_RATIO,
@@ -42,7 +42,8 @@ def target_rows(record: dict) -> list[tuple[str, str, bool | None]]:
             continue
         judged = settings["length"] == MAX_BATCH_TARGET_LENGTH  # the target is set at 16K-token generations
         rows.append((
-            f"{entry['method']} B={entry['budget']} at its best concurrency vs full attention at its best, "
+            f"{engine_name(entry)} at its best concurrency vs full attention at its best"
+            + ("" if entry.get("kv_cache_dtype", "auto") == "auto" else " (same KV dtype)") + ", "
             f"{settings['length']}-token generations, pool = {settings['pool_requests']} full requests: "
             f">= {MAX_BATCH_TARGET_RATIO}x at {MAX_BATCH_TARGET_LENGTH} tokens"
             + ("" if judged else f" (reported at {settings['length']}, judged at {MAX_BATCH_TARGET_LENGTH} only)"),
@@ -71,24 +72,27 @@ def _bound_lines(record: dict) -> list[str]:
         tpot = run["tpot_seconds"]["p50"]
         if tpot is None:
             continue
-        lines.append(f"- {run['method'] if run['budget'] is None else run['method'] + ' B=' + str(run['budget'])}, "
+        lines.append(f"- {engine_name(run)}, "
                      f"{run['concurrency']} slots ({run['mode']}): {run['output_tokens_per_second']:.1f} tok/s; "
                      f"a request advances every {tpot * 1000:.0f} ms (p50), so about "
                      f"{run['output_tokens_per_second'] * tpot:.1f} requests decode per step on average; "
-                     f"peak KV {run.get('peak_kv_blocks', '?')} of {record['pool_blocks'] - 1} blocks, "
+                     f"peak KV {run.get('peak_kv_blocks', '?')} of {run.get('pool_blocks', record['pool_blocks']) - 1} blocks, "
                      f"{int(run.get('preemptions_in_window') or 0)} preemptions in the window"
                      + _latency_note(run)
                      + (f"; the warm-up reached its cap ({run['warmup_seconds']:.0f} s) before "
                         + ("every first request was compacted (the pool could not admit them all at once)"
                            if run["budget"] is not None else "the pool had been full for the settle time")
                         if run.get("warmup_capped") else ""))
-    full = {(run["concurrency"], run["mode"]): run for run in record["runs"] if run["budget"] is None}
+    def key(run: dict) -> tuple:
+        return run["concurrency"], run["mode"], run.get("kv_cache_dtype", "auto")
+
+    full = {key(run): run for run in record["runs"] if run["budget"] is None}
     for run in record["runs"]:
-        reference = full.get((run["concurrency"], run["mode"]))
+        reference = full.get(key(run))
         if run["budget"] is None or reference is None or None in (run["tpot_seconds"]["p50"], reference["tpot_seconds"]["p50"]):
             continue
         decoding = reference["output_tokens_per_second"] * reference["tpot_seconds"]["p50"]
-        lines.append(f"- {run['method']} B={run['budget']} vs full, {run['concurrency']} slots ({run['mode']}): about "
+        lines.append(f"- {engine_name(run)} vs full, {run['concurrency']} slots ({run['mode']}): about "
                      f"{run['output_tokens_per_second'] * run['tpot_seconds']['p50']:.1f} requests decode per step against full "
                      f"attention's {decoding:.1f} (its pool holds that many of its spread-age requests), "
                      f"x{run['output_tokens_per_second'] * run['tpot_seconds']['p50'] / decoding:.2f}; the step time does the rest "
@@ -97,6 +101,24 @@ def _bound_lines(record: dict) -> list[str]:
                      f"x{run['concurrency'] / decoding:.2f}: on this CPU a step costs more with a larger batch, so beyond that "
                      "only a cheaper step (shorter attention) adds throughput")
     return lines
+
+
+def _pool_lines(record: dict) -> list[str]:
+    """Where the runs used more than one KV cache dtype: the pool rule and each dtype's pool (blocks and the bytes of
+    a block); nothing for a run at auto only (or recorded before the option)."""
+    pools = record.get("pool_blocks_by_kv_dtype") or {}
+    if list(pools) in ([], ["auto"]):
+        return []
+    layouts = record.get("kv_layout") or {}
+    dtype = record["settings"]["dtype"]
+    parts = []
+    for kv_cache_dtype, blocks in pools.items():
+        layout = layouts.get(kv_cache_dtype)
+        size = "" if layout is None else (f" of {layout['block_bytes']:,} bytes ({layout['entry_bytes']:,} bytes per token: "
+                                          f"{layout['element_bytes']} per element)")
+        parts.append(f"{dtype if kv_cache_dtype == 'auto' else kv_cache_dtype} KV {blocks - 1} blocks{size}")
+    total = f"{record['pool_bytes'] / 2**20:,.0f} MiB at every KV dtype" if record.get("pool_bytes") else "the same bytes at every KV dtype"
+    return [f"- KV pool: {total}: " + "; ".join(parts) + f". The rule: {record.get('pool_rule', 'the same bytes at every KV dtype')}.", ""]
 
 
 def _load(folder: Path) -> dict:
@@ -116,7 +138,8 @@ def _numbers(values) -> str:
 
 def default_title(records: list[dict]) -> str:
     """The page's title from its runs: the methods, the concurrency (fixed, or each engine's best where the runs
-    climb to their own best), the request length, the models and the modes."""
+    climb to their own best), the KV cache dtypes (unless every run is at auto), the request length, the models and
+    the modes."""
     runs = [run for record in records for run in record["runs"]]
     budgets: dict[str, set] = {}
     for run in runs:
@@ -129,23 +152,35 @@ def default_title(records: list[dict]) -> str:
     lengths = _numbers(record["settings"]["length"] for record in records)
     models = ", ".join(sorted({record["settings"]["model"] for record in records}))
     modes = ", ".join(sorted({run["mode"] for run in runs}))
-    return f"trikv inside vLLM: {methods} at {where}, {lengths}-token requests ({models}, {modes})"
+    dtypes = list(dict.fromkeys(kv_dtype_name(record, run) if run.get("kv_cache_dtype", "auto") != "auto"
+                                else "auto" for record in records for run in record["runs"]))
+    named = [" / ".join(sorted({record["settings"]["dtype"] for record in records})) if d == "auto" else d for d in dtypes]
+    kv = "" if dtypes == ["auto"] else f", KV cache {' and '.join(named)}"
+    return f"trikv inside vLLM: {methods} at {where}{kv}, {lengths}-token requests ({models}, {modes})"
 
 
 def _label(run: dict) -> str:
-    return run["method"] if run["budget"] is None else f"{run['method']} B={run['budget']}"
+    return engine_name(run)
 
 
 def _figure(named: list[tuple[str, dict]]) -> str:
     """The main figure: the bounded engine's best throughput over full attention's (at each one's best
     concurrency, else at the same concurrency); where full attention was not measured, the fastest run's
-    output tokens/s and its time per output token."""
+    output tokens/s and its time per output token. Where engines ran at a KV cache dtype other than auto, the
+    ratio is against full attention at the same KV dtype, and each such engine's best over its best at auto
+    follows."""
     best_batch = [(entry["best_vs_full_best"], name, record, entry) for name, record in named
                   for entry in record.get("max_batch") or [] if entry.get("best_vs_full_best") is not None]
     if best_batch:
         ratio, name, record, entry = max(best_batch, key=lambda item: item[0])
+        dtype = entry.get("kv_cache_dtype", "auto")
+        by_dtype = [f"{_label(other)} x{other['best_vs_auto_best']:.2f}" for other in record["max_batch"]
+                    if other.get("best_vs_auto_best") is not None]
         return (f"{_label(entry)} at its best concurrency ({entry['best_concurrency']}) serves x{ratio:.2f} full "
-                f"attention's best output tokens/s ({record['settings']['length']:,}-token requests, `{name}`)")
+                f"attention's best output tokens/s{'' if dtype == 'auto' else ' at ' + dtype} "
+                f"({record['settings']['length']:,}-token requests, `{name}`)"
+                + (f"; each engine's best over its best at {record['settings']['dtype']} KV: {', '.join(by_dtype)}"
+                   if by_dtype else ""))
     fixed = [(run["throughput_vs_full"], name, record, run) for name, record in named
              for run in record["runs"] if run.get("throughput_vs_full") is not None and run["budget"] is not None]
     if fixed:
@@ -220,6 +255,7 @@ def write_serving_report(folders: list[str | Path], out: str | Path, title: str 
             lines += [f"- {settings['model']} was trained on {trained} positions and these requests run to "
                       f"{settings['length']} (`--beyond-trained-context`): the text past {trained} positions is not "
                       "meaningful; what is measured, the cost of a generation of that length, is.", ""]
+        lines += _pool_lines(record)
         rows = target_rows(record)
         if rows:
             lines += ["| target | measured | status |", "|---|---|---|"]
@@ -233,6 +269,13 @@ def write_serving_report(folders: list[str | Path], out: str | Path, title: str 
                       f"with {settings.get('floor_length', 512)}-token requests at that concurrency, what this machine does "
                       "per token when attention costs almost nothing; `compaction`: the rounds' time over the run's time.",
                       "", "```", format_max_batch(record), "```", ""]
+        kv_bytes = format_kv_bytes(record)
+        if kv_bytes:
+            lines += ["KV bytes per request (MiB, keys and values of every layer). `stated`: what a request holds by the "
+                      "rule, budget + divide_length entries for a bounded engine (its length for full attention) times the "
+                      "bytes of an entry at its KV dtype; `max blocks` / `held`: the most blocks one bounded request held "
+                      "in the run (trikv's `max_request_blocks`, counted in whole blocks) and their bytes; `peak/slot`: "
+                      "the pool's peak blocks over the slots, times the block's bytes.", "", "```", kv_bytes, "```", ""]
         lines += ["What bounds the runs:", ""] + _bound_lines(record) + [""]
         png = folder / "throughput.png"
         if png.is_file():
