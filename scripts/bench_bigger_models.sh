@@ -20,7 +20,7 @@
 #             (both held-out steps keep their answers in docs/runs/ after every chunk and resume from that copy)
 #   design    the diagnosis on the 1.5B's design traces (~25 min)
 #   report    docs/results.md from the run folders (results.json kept in docs/runs/ so the page can be rebuilt)
-#   analysis  Q/K concentration of every bundled model -> docs/analysis.md (~3 min)
+#   analysis  Q/K concentration of every bundled model -> docs/runs/analysis, docs/analysis.md (~15 min)
 #   earlier   every run behind docs/results-earlier.md (many hours)
 # Steps `traces` and `gemma3` rewrite files trikv ships (src/trikv/data, src/trikv/benchmarks/quality/data): they
 # refuse to run without --ship. Times are for 2 CPU cores, one job at a time, two threads.
@@ -158,10 +158,13 @@ if wants report; then
     --replaces docs/results-2026-12-04.md --out docs/results.md
 fi
 if wants analysis; then
-  for model in smollm2-135m gemma3-270m qwen2.5-coder-0.5b qwen2.5-coder-1.5b; do
-    trikv analyze --model $model --out runs/analysis/$model --no-progress
+  runs=()
+  for model in gemma3-270m qwen2.5-coder-0.5b qwen2.5-coder-1.5b smollm2-135m; do
+    trikv analyze --model $model --out runs/analysis/$model --no-progress --threads 1
+    runs+=(runs/analysis/$model/analysis.json)
   done
-  python -m trikv.analysis.docs runs/analysis/*/analysis.json --out docs/analysis.md
+  # each run's figures and the plots the page shows are kept in docs/runs/analysis, and the page rendered from there
+  python -m trikv.analysis.docs "${runs[@]}" --keep docs/runs/analysis --out docs/analysis.md
 fi
 wants earlier || exit 0
 

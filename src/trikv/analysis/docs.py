@@ -1,7 +1,9 @@
 """Project results page from saved analyses: `python -m trikv.analysis.docs RUN/analysis.json ... --out docs/analysis.md`.
 
 Every number on the page is read from the JSON files (nothing typed by hand); a few plots of each run are
-copied next to the page so it renders on its own. The page opens with the shared header
+copied next to the page so it renders on its own. With `--keep DIR` each run is first copied to DIR (its figures
+without the per-band vectors and curves, and the plots the page shows) and the page is rendered from the copies,
+so a repository can regenerate it without the run folders. The page opens with the shared header
 (`trikv.benchmarks.report_pages.page_header`): what was measured, the main figure, and per model whether
 TriAttention's premise holds by the verdict's thresholds.
 """
@@ -35,6 +37,12 @@ NOTES = [
 ]
 
 PLOTS_FOR_DOCS = ("concentration_heatmap", "reconstruction_hist", "reconstruction_examples", "scatter_pre_post")
+# what a kept run leaves out: per text, the per-band vectors and per-distance curves the plots were drawn from (the
+# bulk of an analysis.json, megabytes for a 1.5B model); the chosen head's scatter points
+UNKEPT = {"concentration": ("q_R", "k_R", "contribution", "q_abs_mean", "k_abs_mean", "q_mean_re", "q_mean_im",
+                            "k_mean_re", "k_mean_im"),
+          "reconstruction": ("predicted", "real", "valid", "pair_counts")}
+UNKEPT_HEAD = ("scatter",)
 
 
 def _premise_target(result: dict) -> tuple[str, bool]:
@@ -91,6 +99,38 @@ def _overview_row(result: dict) -> str:
         f"| {_num(q_w['mean'])} / {_num(q_p['mean'])} | {_num(r, 2)} | {_num(per_query, 2)} "
         f"| {_num(corr, 3)} | {_num(diff, 4)} | {meta['wall_s']:.0f} s |"
     )
+
+
+def kept_fields(result: dict) -> dict:
+    """What a run kept beside the page holds: every field of its analysis.json but the per-band vectors, per-distance
+    curves and scatter points (`UNKEPT`, `UNKEPT_HEAD`). The page reads none of them (its plots are kept as images),
+    and per head the figures stay (R, top bands, reconstruction r), so the page renders from the kept copy as from the
+    run."""
+    kept = dict(result)
+    kept["texts"] = {name: {part: ({key: value for key, value in figures.items() if key not in UNKEPT[part]}
+                                   if part in UNKEPT else figures) for part, figures in text.items()}
+                     for name, text in result["texts"].items()}
+    if "head" in result:
+        kept["head"] = {key: value for key, value in result["head"].items() if key not in UNKEPT_HEAD}
+    return kept
+
+
+def keep_runs(json_paths: list[str | Path], folder: str | Path) -> list[Path]:
+    """Copy each run into `folder/<model>/`: its analysis.json as `kept_fields` gives it and the plots the page shows.
+    Returns the kept analysis.json files sorted by path, the order `folder/*/analysis.json` lists them in (a later run
+    of a model given twice replaces the earlier one)."""
+    kept = []
+    for path in map(Path, json_paths):
+        result = json.loads(path.read_text())
+        target = Path(folder) / result["meta"]["model_name"].replace("/", "_")
+        target.mkdir(parents=True, exist_ok=True)
+        for key in PLOTS_FOR_DOCS:
+            file = result.get("plots", {}).get(key)
+            if file and (path.parent / file).is_file():
+                shutil.copyfile(path.parent / file, target / file)
+        (target / "analysis.json").write_text(json.dumps(kept_fields(result), allow_nan=False))
+        kept.append(target / "analysis.json")
+    return sorted(set(kept))
 
 
 def write_docs(json_paths: list[str | Path], out: str | Path, title: str = DEFAULT_TITLE, update: bool = False) -> Path:
@@ -225,8 +265,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--title", default=DEFAULT_TITLE, help=f"the page's title (default: {DEFAULT_TITLE})")
     parser.add_argument("--update", action="store_true",
                         help="replace or add only these runs' models in the existing page, keeping the other models' sections")
+    parser.add_argument("--keep", metavar="DIR",
+                        help="first copy each run to DIR/<model>/ (its analysis.json without the per-band vectors and "
+                             "curves, and the plots the page shows), then render the page from those copies: its command "
+                             "names them, so the page can be regenerated from DIR (e.g. docs/runs/analysis)")
     args = parser.parse_args(argv)
-    print(write_docs(args.json, args.out, args.title, update=args.update))
+    paths = keep_runs(args.json, args.keep) if args.keep else args.json
+    print(write_docs(paths, args.out, args.title, update=args.update))
     return 0
 
 
