@@ -1,6 +1,8 @@
 """`python -m trikv.benchmarks.mlx --out runs/mlx --page docs/mlx.md`: decode speed of mlx-lm's full cache vs trikv's
 bounded MLX cache at several contexts, memory with 8- / 4-bit KV, agreement with the torch path; writes
 `OUT/mlx.json` and the Markdown page (`page.py`). Defaults: the bundled SmolLM2, contexts 4K-16K, B=1024.
+`--from-run RUN/mlx.json --page PAGE` renders the page from a run's file instead (no MLX needed), so a page can be
+regenerated from a run kept in the repository.
 """
 
 from __future__ import annotations
@@ -34,7 +36,12 @@ def parse(argv=None) -> argparse.Namespace:
     parser.add_argument("--kept-sets-tokens", type=int, default=512, help="tokens of the text whose keys one round scores")
     parser.add_argument("--out", default="runs/mlx")
     parser.add_argument("--page", help="write the Markdown page here (e.g. docs/mlx.md)")
+    parser.add_argument("--from-run", metavar="FILE",
+                        help="render --page from this run's mlx.json (e.g. docs/runs/mlx/mlx.json) instead of running; "
+                             "the page's header names this command, its body the run's")
     args = parser.parse_args(argv)
+    if args.from_run and not args.page:
+        parser.error("--from-run renders a page: give --page")
     if args.budget + args.divide_length >= min(args.contexts):
         parser.error("--budget + --divide-length must be below every context (a bounded cache must be compacting)")
     if args.warmup >= args.divide_length:
@@ -66,8 +73,21 @@ def log(message: str) -> None:
     print(f"[mlx bench] {message}", file=sys.stderr, flush=True)
 
 
+def _command(argv) -> str:
+    """This invocation as a shell command."""
+    return "python -m trikv.benchmarks.mlx " + shlex.join(argv if argv is not None else sys.argv[1:])
+
+
 def main(argv=None) -> int:
     args = parse(argv)
+    if args.from_run:
+        from trikv.benchmarks.mlx import page
+
+        record = json.loads(Path(args.from_run).read_text())
+        Path(args.page).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.page).write_text(page.render(record, command=_command(argv)))
+        log(f"wrote {args.page} from {args.from_run}")
+        return 0
     import mlx.core as mx
     import mlx_lm
     from mlx.utils import tree_flatten
@@ -87,7 +107,7 @@ def main(argv=None) -> int:
     attention = model.layers[0].self_attn
     dtype = attention.q_proj.weight.dtype
     meta = {
-        "command": "python -m trikv.benchmarks.mlx " + shlex.join(argv if argv is not None else sys.argv[1:]),
+        "command": _command(argv),
         "machine": platform.node() and "this machine", "cpu": _cpu(), "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__,
         "date": time.strftime("%Y-%m-%d"), "commit": repository_commit(),
         "model": args.model, "dtype": str(dtype).replace("mlx.core.", ""),

@@ -55,16 +55,22 @@ def _figure(record: dict) -> str:
             f"({tri:.2f} vs {full:.2f} tokens/s on this CPU)")
 
 
-def render(record: dict) -> str:
-    """The page of one run: the shared header, then speed, the bandwidth bound, quantised caches and agreement."""
+def render(record: dict, command: str | None = None) -> str:
+    """The page of one run: the shared header, then speed, the bandwidth bound, quantised caches and agreement.
+
+    The header names the command that wrote the page and its date: the run's own (its command and date, as the run
+    recorded them) unless `command` is given, the command that rendered the page from the run's file later (dated
+    today); the body then names the run's command and date."""
     meta = record["meta"]
     contexts = sorted({row["context"] for row in record["speed"]})
     measured = (f"decode speed of mlx-lm's full cache and trikv's bounded cache (B={meta['budget']}) on {meta['model']} "
                 f"({meta['dtype']}) at {', '.join(f'{c:,}' for c in contexts)} tokens of context; quantised bounded "
                 "caches; kept sets and greedy tokens against the torch path")
     lines = [
-        *page_header(TITLE, meta["command"], measured, _figure(record), [], [meta.get("commit")], date=meta["date"]),
-        f"Run on {meta['machine']} (mlx {meta['mlx']}, mlx-lm {meta['mlx_lm']}); every number below is from that run. "
+        *page_header(TITLE, command or meta["command"], measured, _figure(record), [], [meta.get("commit")],
+                     date=None if command else meta["date"]),
+        f"Run on {meta['machine']} (mlx {meta['mlx']}, mlx-lm {meta['mlx_lm']})"
+        + (f" by `{meta['command']}` on {meta['date']}" if command else "") + "; every number below is from that run. "
         f"Model: {meta['model']} ({meta['dtype']} weights, {_mb(meta['weight_bytes'])} MB), TriAttention with its "
         f"bundled statistics, divide_length {meta['divide_length']}.",
         "",
