@@ -3,13 +3,13 @@
 #   .venv         vLLM 0.32 (CPU build here) + transformers 5.19 (vLLM's pin): every test but the few below
 #   .venv-upper   transformers 5.24 (the newest release in the range) + MLX's CPU build and mlx-lm, no vLLM: every test
 #                 that exercises transformers again, trikv's MLX caches against the torch path (tests/test_mlx.py), and
-#                 two sets that run once, here to even out the two suites' times: every command and snippet of the
-#                 README (tests/test_readme.py; it runs the README's vLLM commands with .venv's interpreter) and the
-#                 slow Gemma-3 end-to-end tests
-# The two venvs are set up side by side; the tests then run in three lanes at once (the .venv suite split into
-# tests/test_vllm.py and the rest, and the upper suite), one torch thread per process (TRIKV_TEST_THREADS=1, which
-# the tests hand on to the processes they start as OMP_NUM_THREADS); TRIKV_TEST_SERIAL=1 runs the lanes one after
-# the other at torch's default threads. Each lane's output is printed in turn. Extra arguments go to every pytest run.
+#                 two sets that run once: every command and snippet of the README and the guides (tests/test_readme.py;
+#                 it runs the vLLM commands with .venv's interpreter) and the slow Gemma-3 end-to-end tests
+# The two venvs are set up side by side; the tests then run in four lanes at once (the .venv suite split into
+# tests/test_vllm.py and the rest; the upper suite; the README's commands), one torch thread per process
+# (TRIKV_TEST_THREADS=1, which the tests hand on to the processes they start as OMP_NUM_THREADS); TRIKV_TEST_SERIAL=1
+# runs the lanes one after the other at torch's default threads. Each lane's output is printed in turn. Extra
+# arguments go to every pytest run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 upper_log=$(mktemp)
@@ -35,7 +35,11 @@ run_upper() {
     TRIKV_REQUIRE_MLX=1 .venv-upper/bin/python -m pytest -q -p no:cacheprovider -m "not vllm" tests/test_mlx.py \
         tests/test_cache_exactness.py tests/test_real_model.py tests/test_baselines.py tests/test_compaction.py tests/test_lean.py \
         tests/test_bad_input.py tests/test_kept_sets.py tests/test_geometry_calibration.py tests/test_scoring.py \
-        tests/test_model_inputs.py "${ONCE[@]}" -k "not known_prompt and not without_its_bos and not refresh" "$@"
+        tests/test_model_inputs.py -k "not known_prompt and not without_its_bos and not refresh" "$@"
+}
+run_readme() {  # every command and snippet of the README and the guides, in .venv-upper (each names the venv it needs)
+    echo "== README and guides: transformers $(.venv-upper/bin/python -c 'import transformers; print(transformers.__version__)')"
+    TRIKV_REQUIRE_MLX=1 .venv-upper/bin/python -m pytest -q -p no:cacheprovider "${ONCE[@]}" "$@"
 }
 run_venv() {  # the .venv suite, in two parts: "vllm" (tests/test_vllm.py) or "rest" (every other module)
     local part=(tests/test_vllm.py)
@@ -45,7 +49,7 @@ run_venv() {  # the .venv suite, in two parts: "vllm" (tests/test_vllm.py) or "r
     TRIKV_REQUIRE_VLLM=1 .venv/bin/python -m pytest -q -p no:cacheprovider "${part[@]}" "${ONCE[@]/#/--ignore=}" \
         -k "not ($GEMMA_ONCE)" "$@"
 }
-lanes=("run_venv vllm" "run_venv rest" "run_upper")
+lanes=("run_venv vllm" "run_venv rest" "run_upper" "run_readme")
 status=0
 if [ "${TRIKV_TEST_SERIAL:-0}" = 1 ]; then
     for lane in "${lanes[@]}"; do
@@ -53,8 +57,8 @@ if [ "${TRIKV_TEST_SERIAL:-0}" = 1 ]; then
     done
     exit $status
 fi
-# three lanes side by side, one torch thread each: the vLLM tests alone take about as long as the other two suites
-# together, so a third lane keeps both cores busy until the end; each lane has its own pytest base folder
+# four lanes side by side, one torch thread each, of similar lengths (the README's commands alone take as long as
+# the vLLM tests), so that both cores stay busy until the end; each lane has its own pytest base folder
 export TRIKV_TEST_THREADS=1
 work=$(mktemp -d)
 trap 'rm -f "$upper_log"; rm -rf "$work"' EXIT

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-# scripts/test.sh runs three lanes side by side on 2 cores and gives each one thread (TRIKV_TEST_THREADS=1): busy
+# scripts/test.sh runs four lanes side by side on 2 cores and gives each one thread (TRIKV_TEST_THREADS=1): busy
 # processes with two OpenMP threads each would spin-wait for each other's cores
 torch.set_num_threads(int(os.environ.get("TRIKV_TEST_THREADS", min(2, torch.get_num_threads()))))
 if "TRIKV_TEST_THREADS" in os.environ:
@@ -13,6 +13,9 @@ if "TRIKV_TEST_THREADS" in os.environ:
     # vLLM's CPU kernels size their OpenMP pool from OMP_NUM_THREADS (a 200-token vLLM run beside the other suite took
     # 73 s with the default pool of 2, 12 s with 1)
     os.environ.setdefault("OMP_NUM_THREADS", os.environ["TRIKV_TEST_THREADS"])
+    # vLLM's n-gram proposer runs a numba parallel loop every step; numba's threads spin-wait between steps, and beside
+    # the other lanes a speculating 160-token run took 157 s with numba's default pool, 6 s with 1
+    os.environ.setdefault("NUMBA_NUM_THREADS", os.environ["TRIKV_TEST_THREADS"])
 
 
 @pytest.fixture
