@@ -3,7 +3,8 @@
 The commands are read from the pages themselves (`readme_commands.py`). Each one must match exactly one rule
 below, which says how it runs here: as written; as written with extra flags that shrink it (argparse keeps the last
 value of a flag, so an appended `--max-new-tokens 24` overrides the README's `--max-new-tokens 1500`); or, for a
-command that needs hours, a GPU or a long-lived server, its `--help` / `--dry-run` (`instead`, with the reason). A
+command that needs hours, a GPU or a long-lived server, its `--help` / `--dry-run` (`instead`, with the reason),
+and where the run it made is kept in the repository, that the run's file records the command as written. A
 command without a rule fails the test, and so does a rule no command uses; every run has a timeout, so a hang
 fails too. An example that claims a bounded cache (`rounds`) must reach a compression round at its written sizes
 (read with the command's own parser) and its run must print a round count above zero: an example that never
@@ -13,9 +14,11 @@ reads); the repository's scripts (`bash scripts/...`) run from the repository ro
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -49,6 +52,9 @@ class Rule:
     why_not_as_written: str = ""
     venv: str = "this"  # "upper" / "vllm": run with .venv-upper's (MLX) / .venv's (vLLM) commands first on PATH
     rounds: bool = False  # it claims a bounded cache: its written sizes reach a round, and the run prints rounds > 0
+    # a run kept in the repository (a JSON file under ROOT) whose "command" must be the command as written: the page
+    # it feeds is generated from what this very command measured
+    recorded: str = ""
     used: list = field(default_factory=list)
 
     def matches(self, command: str) -> bool:
@@ -126,6 +132,14 @@ RULES = [
     Rule(r"trikv bench soak --help", expect=("--requests",)),
     Rule(r"trikv bench agent --backends .*", instead="trikv bench agent --help", expect=("--limit-tokens",),
          why_not_as_written="an hour of CPU on Qwen2.5-Coder-0.5B; tests/test_agent_bench.py runs its parts at toy size"),
+    Rule(r"trikv bench serve --model qwen2\.5-coder-0\.5b .* --kv-cache-dtype auto,fp8 --max-batch .* --out runs/serve/max-batch-fp8",
+         instead="trikv bench serve --help", venv="vllm", expect=("--kv-cache-dtype",),
+         recorded="docs/runs/serve/max-batch-fp8/serving.json",
+         why_not_as_written="~40 minutes of vLLM engines on 2 cores; the run it made is kept in docs/runs/serve/max-batch-fp8, "
+         "whose serving.json records this command (tests/test_serving_report.py checks the option's parts)"),
+    # renders the run kept in the repository: the scratch folder holds a copy of docs/runs/serve (`scratch`)
+    Rule(r"trikv bench serve-report docs/runs/serve/max-batch-fp8 --out docs/serving-max-batch\.md --title .*",
+         expect=("wrote docs/serving-max-batch.md",), files=("docs/serving-max-batch.md",)),
     Rule(r"trikv bench agent-report .*", instead="trikv bench agent-report --help", expect=("usage",),
          why_not_as_written="renders the cells the agent benchmark writes; tests/test_agent_bench.py renders a page from "
          "real cells"),
@@ -165,6 +179,8 @@ def scratch(tmp_path_factory):
     return folder
 
 
+    # the serving runs the guides' report commands read (a copy: nothing a command writes reaches the repository)
+    shutil.copytree(ROOT / "docs" / "runs" / "serve", folder / "docs" / "runs" / "serve")
 def test_every_readme_command_has_exactly_one_rule():
     commands = shell_commands()
     problems = []
@@ -197,6 +213,9 @@ def test_readme_command_runs(index, scratch):
     if rule.rounds:
         assert written_sizes_compress(command), f"{command!r} claims a bounded cache but its sizes never reach a round"
         rounds = printed_rounds(output)
+    if rule.recorded:
+        recorded = json.loads((ROOT / rule.recorded).read_text())["command"]
+        assert recorded == command, f"{rule.recorded} records {recorded!r}, not the command as written {command!r}"
         assert rounds is not None and rounds > 0, f"{line!r} printed {rounds} compression rounds:\n{output[-3000:]}"
 
 
