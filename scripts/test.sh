@@ -2,7 +2,8 @@
 # Set up, then run the test suite at both ends of trikv's transformers range (what CI runs):
 #   .venv         vLLM 0.32 (CPU build here) + transformers 5.19 (vLLM's pin): every test but the few below
 #   .venv-upper   transformers 5.24 (the newest release in the range) + MLX's CPU build and mlx-lm, no vLLM: every test
-#                 that exercises transformers again, trikv's MLX caches against the torch path (tests/test_mlx.py), and
+#                 that exercises transformers again (but the CLI's generate and calibrate tests: the README lane runs
+#                 those commands here), trikv's MLX caches against the torch path (tests/test_mlx.py), and
 #                 two sets that run once: every command and snippet of the README and the guides (tests/test_readme.py;
 #                 it runs the vLLM commands with .venv's interpreter) and the slow Gemma-3 end-to-end tests
 # The two venvs are set up side by side; the tests then run in four lanes at once (the .venv suite split into
@@ -35,7 +36,8 @@ run_upper() {
     TRIKV_REQUIRE_MLX=1 .venv-upper/bin/python -m pytest -q -p no:cacheprovider -m "not vllm" tests/test_mlx.py \
         tests/test_cache_exactness.py tests/test_real_model.py tests/test_baselines.py tests/test_compaction.py tests/test_lean.py \
         tests/test_bad_input.py tests/test_kept_sets.py tests/test_geometry_calibration.py tests/test_scoring.py \
-        tests/test_model_inputs.py -k "not known_prompt and not without_its_bos and not refresh" "$@"
+        tests/test_model_inputs.py \
+        -k "not known_prompt and not without_its_bos and not refresh and not generate_command and not calibrate_command" "$@"
 }
 run_readme() {  # every command and snippet of the README and the guides, in .venv-upper (each names the venv it needs)
     echo "== README and guides: transformers $(.venv-upper/bin/python -c 'import transformers; print(transformers.__version__)')"
