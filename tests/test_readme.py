@@ -91,7 +91,7 @@ RULES = [
          why_not_as_written="installs packages; the extra it names is checked instead (scripts/test.sh installs it)"),
     Rule(r"trikv generate --engine mlx .*", venv="upper", rounds=True, expect=("rounds",)),
     Rule(r"python -m trikv\.benchmarks\.mlx .*", venv="upper", timeout=600,
-         append="--contexts 512 --budget 128 --divide-length 32 --agreement-budget 64 --agreement-divide-length 16 "
+         append="--contexts 512 --budget 128 --divide-length 16 --warmup 1 --agreement-budget 64 --agreement-divide-length 16 "
          "--agreement-tokens 32 --kept-sets-tokens 256", files=("docs/mlx.md",)),
     Rule(r"trikv calibrate .*", append="--text-tokens 256", expect=("calibrated smollm2-135m",), files=("my-stats.safetensors",)),
     Rule(r"trikv analyze .*", append="--text-tokens 200 --chunk-tokens 100 --distances 8 --no-progress",
