@@ -226,6 +226,33 @@ def test_summary_counts_its_verdicts_and_draws_none_from_few_texts_or_an_invalid
     assert "TriAttention leads `rkv`" in summary_lines([("loops", loops)])[1]
 
 
+def test_summary_sets_each_models_standing_beside_what_differs_between_the_models():
+    from trikv.benchmarks.quality.report import summary_lines
+
+    def model(name, kl_rkv, concentration, parameters):
+        record = _record(kl_rkv)
+        record["model"] = {"name": name, "parameters": parameters}
+        record["results"]["recall"] = {"meta": {"concentration_per_layer": concentration}, "methods": {}}
+        return record
+
+    lines = summary_lines([("weak", model("weak", -0.02, [0.50, 0.60], 135e6)),
+                           ("strong", model("strong", +0.02, [0.80, 0.90], 1.5e9))])
+    (line,) = [line for line in lines if line.startswith("Where TriAttention stands")]
+    # best standing first, whatever the order of the runs; each model's figures are its own
+    assert line.index("strong (B=128, 1500M parameters): ranks 1st of 2, leads 1 and trails 0 of 1") < line.index(
+        "weak (B=128, 135M parameters): ranks 2nd of 2, leads 0 and trails 1 of 1")
+    assert "mean query concentration 0.85 (0.80-0.90)" in line and "mean query concentration 0.55 (0.50-0.60)" in line
+    assert "These conditions vary together across 2 models, so the runs cannot tell which" in line
+    assert "alike" not in line
+    alike = summary_lines([("weak", model("weak", -0.02, [0.60, 0.62], 135e6)),
+                           ("strong", model("strong", +0.02, [0.62, 0.64], 1.5e9))])
+    (line,) = [line for line in alike if line.startswith("Where TriAttention stands")]
+    assert "differs by 0.02 at most between the models, so by that measure they are alike" in line
+    assert "The other conditions vary together" in line
+    # one model: nothing to set side by side
+    assert not any(line.startswith("Where") for line in summary_lines([("weak", model("weak", -0.02, [0.5], 1e8))]))
+
+
 # ---- trace validity -----------------------------------------------------------------------------------------
 def _longest_repeat_slow(ids):
     """Every pair of start positions, extended while equal (quadratic, independent of the suffix array)."""

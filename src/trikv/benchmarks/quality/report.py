@@ -1025,6 +1025,76 @@ def trace_sampling(record: dict) -> str | None:
     return " / ".join(labels)
 
 
+def model_factors(record: dict) -> dict:
+    """What the run records, or the statistics it used ship, about the conditions TriAttention scored under:
+    {"parameters", "concentration": (mean, low, high) over the scored layers, "scored_layers", "num_layers",
+    "calibration_tokens", "sampling"}; a field is absent where nothing records it (statistics other than the
+    shipped file say nothing here)."""
+    from .provenance import stats_match
+
+    factors: dict = {}
+    if record.get("model", {}).get("parameters"):
+        factors["parameters"] = record["model"]["parameters"]
+    concentration = ((record["results"].get("recall") or {}).get("meta") or {}).get("concentration_per_layer")
+    if concentration:
+        factors["concentration"] = (sum(concentration) / len(concentration), min(concentration), max(concentration))
+    if stats_match(record):
+        from safetensors import safe_open
+
+        from ...calibration import bundled_stats_path
+
+        with safe_open(str(bundled_stats_path(record["config"]["model"])), "pt") as stats_file:
+            meta = json.loads((stats_file.metadata() or {}).get("trikv", "{}"))
+        if meta.get("num_layers"):
+            factors["num_layers"] = meta["num_layers"]
+            factors["scored_layers"] = len(meta.get("layers") or range(meta["num_layers"]))
+        if meta.get("token_count"):
+            factors["calibration_tokens"] = meta["token_count"]
+    sampling = trace_sampling(record)
+    if sampling:
+        factors["sampling"] = sampling
+    return factors
+
+
+def model_factor_line(standings: list[dict]) -> str | None:
+    """One sentence per model of TriAttention's headline standing beside what differs between the models (size,
+    query concentration of the layers it scores, how many layers compress at all, calibration tokens, trace
+    sampling), best standing first; None with fewer than two models. With a handful of models these differ
+    together, and the sentence says so: it describes, it does not attribute."""
+    if len({standing["model"] for standing in standings}) < 2:
+        return None
+    parts, means = [], {}
+    for standing in sorted(standings, key=lambda s: (s["trails"] - s["leads"], s["rank"] or 0)):
+        factors = model_factors(standing["record"])
+        if "concentration" in factors:
+            means[standing["model"]] = factors["concentration"][0]
+        facts = [(f"ranks {_ordinal(standing['rank'])} of {standing['of']}, " if standing["rank"] else "")
+                 + f"leads {standing['leads']} and trails {standing['trails']} of {standing['compared']} published baselines"]
+        if "num_layers" in factors:
+            scored, total = factors["scored_layers"], factors["num_layers"]
+            facts.append(f"compresses {scored} of its {total} layers" + (
+                f" (the other {total - scored} are sliding-window layers that every method leaves to their own window, "
+                f"so the methods differ in {scored} layers only)" if scored < total else ""))
+        if "concentration" in factors:
+            mean, low, high = factors["concentration"]
+            facts.append(f"mean query concentration {mean:.2f} ({low:.2f}-{high:.2f}) over the layers TriAttention scores")
+        if "calibration_tokens" in factors:
+            facts.append(f"statistics from {factors['calibration_tokens']:,} calibration tokens")
+        if "sampling" in factors:
+            facts.append(f"traces sampled at {factors['sampling']}")
+        size = f", {factors['parameters'] / 1e6:.0f}M parameters" if "parameters" in factors else ""
+        parts.append(f"{standing['model']} (B={standing['budget']}{size}): " + "; ".join(facts) + standing["tag"])
+    models = len({standing["model"] for standing in standings})
+    alike = ""
+    if len(means) > 1 and max(means.values()) - min(means.values()) < 0.05:
+        alike = (f" The scored layers' mean query concentration differs by {max(means.values()) - min(means.values()):.2f} "
+                 "at most between the models, so by that measure they are alike and it does not separate their standings.")
+    return ("Where TriAttention stands, model by model, beside what differs between the models: " + ". ".join(parts)
+            + "." + alike + f" {'The other' if alike else 'These'} conditions vary together across {models} models, so the runs cannot tell which of them, if any, "
+            "accounts for a difference in standing; the figure under \"Query concentration against TriAttention's lead\" "
+            "reads concentration alone, layer by layer within each model.")
+
+
 @dataclass
 class RunsSummary:
     """The summary's lines and the tally of its headline: TriAttention against the published baselines."""
@@ -1055,6 +1125,7 @@ def summarise_runs(named_records: list[tuple[str, dict]], provenance: dict | Non
     tag = lambda name: f" [{provenance[name].tag()}]" if name in provenance and provenance[name].status != "current" else ""  # noqa: E731
     task, what, get, higher, digits, scale = HEADLINE
     headline, details, variants, secondary, math_lines, notes = [], [], [], [], [], []
+    standings: list[dict] = []  # TriAttention's headline standing per (run, budget), for `model_factor_line`
     counts = {"leads": 0, "trails": 0, "ties": 0}
     usable_counts = {"leads": 0, "trails": 0, "ties": 0}  # on runs whose inputs stand for what ships now
     published: list[str] = []
@@ -1084,6 +1155,9 @@ def summarise_runs(named_records: list[tuple[str, dict]], provenance: dict | Non
                     rank = next(i for i, (m, _) in enumerate(ranking, 1) if m == "triattention") if any(
                         m == "triattention" for m, _ in ranking) else None
                     where = f" ranks {_ordinal(rank)} of {len(ranking)} methods" if rank else ""
+                    standings.append({"record": record, "model": model, "budget": budget, "rank": rank, "of": len(ranking),
+                                      "trails": len(groups["trails"]), "leads": len(groups["leads"]),
+                                      "compared": sum(len(items) for items in groups.values()), "tag": tag(name)})
                     headline.append(f"on {model} (B={budget}) it leads {len(groups['leads'])}, ties {len(groups['ties'])} and "
                                     f"trails {len(groups['trails'])}{',' if where else ''}{where}{tag(name)}")
                     parts = [f"{verdict} {', '.join(items)}" for verdict, items in groups.items() if items]
@@ -1149,6 +1223,9 @@ def summarise_runs(named_records: list[tuple[str, dict]], provenance: dict | Non
     if len(sampling) > 1:
         lines.append("The traces were not all sampled alike: " + "; ".join(
             f"{', '.join(sorted(set(models)))} at {label}" for label, models in sampling.items()) + ".")
+    standing = model_factor_line(standings)
+    if standing:
+        lines.append(standing)
     lines += [f"TriAttention's own variants and ablations (not baselines): {line}" for line in variants]
     lines += [f"Secondary metric: {line}" for line in secondary]
     lines += math_lines + notes
