@@ -1692,7 +1692,8 @@ def _concentration_section(named: list[tuple[str, dict]], provenance: dict, asse
     else:
         lines.append("- With no threshold visible, no variant that scores low-concentration heads by another rule was added: "
                      "these layers give it no concentration to switch at. Telling would need less concentrated layers than "
-                     "these models have, and per-layer intervals over texts (runs made from now on keep them).")
+                     "these models have" + (", and per-layer intervals over texts (runs made from now on keep them)."
+                                            if any("per head" in line for line in found) else "."))
     lines.append("")
     return lines
 
