@@ -120,7 +120,7 @@ field=full,triattention,triattention-shared-layers,triattention-window,triattent
 traces=(--task fidelity --traces evaluation --horizons 128,512,1024 --recall-stride 8 --threads 2 --no-progress --methods $field --budgets 128)
 if wants fidelity; then
   # a folder's cells are reused only where their fingerprint (trace text, statistics, code, threads) matches; the
-  # runs behind the page took 59 min (1.5B), 62 min (SmolLM2) and 108 min (Gemma-3) of compute at one thread
+  # runs behind the page took 29 min (1.5B), 28 min (SmolLM2) and 67 min (Gemma-3) at two threads, one job at a time
   trikv bench quality "${traces[@]}" --model qwen2.5-coder-1.5b --dtype bfloat16 --out runs/quality/qwen2.5-coder-1.5b-traces
   trikv bench quality "${traces[@]}" --model smollm2-135m --out runs/quality/smollm2-135m-traces
   trikv bench quality "${traces[@]}" --model gemma3-270m --out runs/quality/gemma3-270m-traces
