@@ -1039,17 +1039,12 @@ def model_factors(record: dict) -> dict:
     if concentration:
         factors["concentration"] = (sum(concentration) / len(concentration), min(concentration), max(concentration))
     if stats_match(record):
-        from safetensors import safe_open
+        from ...calibration import QueryStats, bundled_stats_path
 
-        from ...calibration import bundled_stats_path
-
-        with safe_open(str(bundled_stats_path(record["config"]["model"])), "pt") as stats_file:
-            meta = json.loads((stats_file.metadata() or {}).get("trikv", "{}"))
-        if meta.get("num_layers"):
-            factors["num_layers"] = meta["num_layers"]
-            factors["scored_layers"] = len(meta.get("layers") or range(meta["num_layers"]))
-        if meta.get("token_count"):
-            factors["calibration_tokens"] = meta["token_count"]
+        stats = QueryStats.load(bundled_stats_path(record["config"]["model"]))
+        factors["num_layers"], factors["scored_layers"] = stats.metadata["num_layers"], len(stats.layers)
+        if stats.metadata.get("token_count"):
+            factors["calibration_tokens"] = stats.metadata["token_count"]
     sampling = trace_sampling(record)
     if sampling:
         factors["sampling"] = sampling
