@@ -1084,10 +1084,11 @@ def model_factor_line(standings: list[dict]) -> str | None:
     if len(means) > 1 and max(means.values()) - min(means.values()) < 0.05:
         alike = (f" The scored layers' mean query concentration differs by {max(means.values()) - min(means.values()):.2f} "
                  "at most between the models, so by that measure they are alike and it does not separate their standings.")
+    others = "The other" if alike else "These"
     return ("Where TriAttention stands, model by model, beside what differs between the models: " + ". ".join(parts)
-            + "." + alike + f" {'The other' if alike else 'These'} conditions vary together across {models} models, so the runs cannot tell which of them, if any, "
-            "accounts for a difference in standing; the figure under \"Query concentration against TriAttention's lead\" "
-            "reads concentration alone, layer by layer within each model.")
+            + "." + alike + f" {others} conditions vary together across {models} models, so the runs cannot tell which "
+            "of them, if any, accounts for a difference in standing; the figure under \"Query concentration against "
+            "TriAttention's lead\" reads concentration alone, layer by layer within each model.")
 
 
 @dataclass
