@@ -6,7 +6,9 @@ The test process stays free of vLLM. SPEC: {"model", "dtype",
 "trikv": settings for trikv.vllm.engine_args or null (plain vLLM), "engine": extra vllm.LLM arguments, "env":
 environment variables, "in_process": engine core and worker inside this interpreter (default; false runs
 vLLM's usual separate processes, which tensor parallelism needs), "batches": [{"prompts": [token id lists],
-"max_tokens", "min_tokens", optional "extra_args": [one SamplingParams.extra_args per prompt], optional "lora": a LoRA
+"max_tokens", "min_tokens", optional "extra_args": [one SamplingParams.extra_args per prompt], "eos": true (stop at the
+end-of-sequence token), "n" (SamplingParams.n; n > 1 samples at temperature 1, seed 0), "cache_salt" (every prompt's), a prompt may be {"after": [batch,
+request], "output_tokens", "then"} (`_resolve_prompt`: a conversation's next turn), optional "lora": a LoRA
 adapter's folder (every request of the batch runs with it), optional "structured": StructuredOutputsParams
 arguments (e.g. {"regex": ...}) for every request of the batch, optional "abort":
 {"after_steps", "requests": [indices]}: those requests are aborted, optional "arrivals": [the step at which each
@@ -22,7 +24,8 @@ rounds run so far, "cache_guard":
 true (in-process, trikv) checks at every round what prefix caching must never see (`_guard_cache`), "alone": true
 runs the engine in an interpreter of its own, "spec_decoding": true (in-process) sums vLLM's speculative-decoding statistics over the run (`_count_spec_decoding`), "record_keys": a path (in-process, trikv) where the keys
 the full-attention layers hand vLLM's KV write are saved, by request, layer and position}.
-RESULT: per batch the prompt, generated token ids, finish and stop reasons of every request (with
+RESULT: per batch the prompt, generated token ids, finish and stop reasons, cached (not computed) prompt tokens of
+every request, with trikv in process session reuse's figures after the batch (`trikv.vllm.session_stats`) (with
 "schedule_records", the batch's steps: {request id: [first token computed, tokens scheduled, full-attention blocks
 it holds for the step, its offset (logical - physical tokens) for the step]} per step), then every rank's round
 records and statistics (in-process: the pool's free blocks at the end and each KV cache group's page bytes, block
@@ -96,7 +99,11 @@ def run(spec: dict) -> dict:
     drafts = _count_spec_decoding(llm) if spec.get("spec_decoding") else None
     guard = _guard_cache(llm) if spec.get("cache_guard") else None
     for batch in spec["batches"]:
-        params = [SamplingParams(max_tokens=count, min_tokens=batch.get("min_tokens", count), temperature=0.0, ignore_eos=True)
+        batch = {**batch, "prompts": [_resolve_prompt(prompt, result["batches"]) for prompt in batch["prompts"]]}
+        eos = batch.get("eos", False)  # stop at the end-of-sequence token (trikv.Session's rule) instead of ignoring it
+        sampled = {"temperature": 1.0, "seed": 0} if batch.get("n", 1) > 1 else {"temperature": 0.0}  # vLLM: n > 1 samples
+        params = [SamplingParams(max_tokens=count, min_tokens=0 if eos else batch.get("min_tokens", count), ignore_eos=not eos,
+                                 n=batch.get("n", 1), **sampled)
                   for count in (batch["max_tokens"] if isinstance(batch["max_tokens"], list) else [batch["max_tokens"]] * len(batch["prompts"]))]
         for request_params, extra_args in zip(params, batch.get("extra_args", [])):  # a request's own trikv budget
             request_params.extra_args = extra_args
@@ -116,17 +123,21 @@ def run(spec: dict) -> dict:
         elif {"abort", "arrivals", "priorities"} & set(batch) or isinstance(batch["max_tokens"], list):
             requests = _step_by_hand(llm, batch, params, TokensPrompt)
         else:
+            salt = {"cache_salt": batch["cache_salt"]} if batch.get("cache_salt") else {}
             with _frontend_checks(batch.get("frontend_checks", True)):
-                outputs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in batch["prompts"]], params, use_tqdm=False,
-                                       lora_request=lora)
+                outputs = llm.generate([TokensPrompt(prompt_token_ids=ids, **salt) for ids in batch["prompts"]], params,
+                                       use_tqdm=False, lora_request=lora)
             requests = [{"request_id": out.request_id, "prompt": list(out.prompt_token_ids), "tokens": list(out.outputs[0].token_ids),
-                         "finish_reason": out.outputs[0].finish_reason, "stop_reason": out.outputs[0].stop_reason}
+                         "finish_reason": out.outputs[0].finish_reason, "stop_reason": out.outputs[0].stop_reason,
+                         "cached_tokens": out.num_cached_tokens, "choices": [list(choice.token_ids) for choice in out.outputs]}
                         for out in outputs]
         result["batches"].append({"seconds": time.perf_counter() - started, "requests": requests})
         if spec.get("metrics"):
             result["batches"][-1]["metrics"] = _prefix_cache_counters(llm)
             if extra:  # the rounds run so far: the batch's rounds are those recorded since the batch before
                 result["batches"][-1]["metrics"]["rounds"] = llm.collective_rpc("trikv_stats")[0]["rounds"]
+        if extra and (extra["additional_config"]["trikv"].get("session_reuse", True)) and in_process:
+            result["batches"][-1]["sessions"] = trikv.vllm.session_stats(llm)
         if steps is not None:  # request ids restart with every batch: each keeps its own steps
             result["batches"][-1]["schedule"] = list(steps)
             steps.clear()
@@ -152,6 +163,17 @@ def run(spec: dict) -> dict:
         result["stats"] = llm.collective_rpc("trikv_stats")
     shut_down(llm, in_process)  # the next engine may be built in this interpreter
     return result
+
+
+def _resolve_prompt(prompt, batches: list[dict]) -> list[int]:
+    """A prompt's token ids: a list as it is, or {"after": [batch, request], "output_tokens": k, "then": ids}: that
+    earlier request's prompt and its first k generated tokens (all when k is absent or null), then `then` (a
+    conversation's next turn, as a client re-sends it)."""
+    if isinstance(prompt, list):
+        return prompt
+    earlier = batches[prompt["after"][0]]["requests"][prompt["after"][1]]
+    tokens = earlier["tokens"] if prompt.get("output_tokens") is None else earlier["tokens"][: prompt["output_tokens"]]
+    return list(earlier["prompt"]) + list(tokens) + list(prompt.get("then", []))
 
 
 def _count_spec_decoding(llm) -> dict:
@@ -281,7 +303,8 @@ def _step_by_hand(llm, batch: dict, params: list, TokensPrompt) -> list[dict]:
     while steps == 0 or engine.has_unfinished_requests() or steps <= max(arrivals):
         for index in range(count):
             if arrivals[index] == steps:
-                engine.add_request(ids[index], TokensPrompt(prompt_token_ids=batch["prompts"][index]), params[index],
+                salt = {"cache_salt": batch["cache_salt"]} if batch.get("cache_salt") else {}
+                engine.add_request(ids[index], TokensPrompt(prompt_token_ids=batch["prompts"][index], **salt), params[index],
                                    priority=priorities[index])
         for out in engine.step():
             if len(out.outputs[0].token_ids) > len(latest.get(out.request_id, [])):

@@ -45,7 +45,7 @@ _EXPORTS = {
     "serving_methods": "settings", "BoundedKVSettings": "settings", "SettingsError": "settings",
     "RequestSettingsError": "settings", "REQUEST_BUDGET_KEY": "settings", "MIN_BUDGET": "settings",
     "CONFIG_KEY": "settings", "UnsupportedEngineError": "support", "SUPPORTED_VLLM": "support",
-    "check_vllm_version": "support", "check_model": "support",
+    "check_vllm_version": "support", "check_model": "support", "REQUEST_SESSION_KEY": "settings",
 }
 
 
@@ -82,8 +82,9 @@ def engine_args(
     pool need only hold that much per request, not max_model_len). `model`: when given, the
     model's config is checked here, before vLLM starts (family, statistics' shape and RoPE). Other keyword
     arguments are method options (e.g. `recent_window=8`) or the trikv settings `allow_untested_platform`,
-    `record_rounds`, `round_workspace_bytes`, `max_request_budget`, `allow_full_requests` and
-    `max_rounds_per_step`. `method="full"` returns no arguments: plain vLLM.
+    `record_rounds`, `round_workspace_bytes`, `max_request_budget`, `allow_full_requests`,
+    `max_rounds_per_step`, `session_reuse` (default True: a conversation's next turn continues the bounded cache its
+    last turn left, `sessions.py`) and `max_kept_sessions`. `method="full"` returns no arguments: plain vLLM.
 
     `prefix_caching`: vLLM's automatic prefix caching (off unless asked: with a bounded cache a request reuses at
     most the cached prefix below budget + divide_length, on its prefill-chunk grid, while every request's first
@@ -105,7 +106,7 @@ def engine_args(
     frontend.register()  # the request checks in this process (`LLM`), where vLLM's plugin entry points are not loaded
     select_v1_runner()
     settings_only = ("allow_untested_platform", "record_rounds", "round_workspace_bytes", "max_request_budget", "allow_full_requests",
-                     "max_rounds_per_step")
+                     "max_rounds_per_step", "session_reuse", "max_kept_sessions")
     extra = {name: options.pop(name) for name in settings_only if name in options}
     settings = BoundedKVSettings(method=method, budget=budget, divide_length=divide_length, stats=stats,
                                  protect_prompt=protect_prompt, min_decode_room=min_decode_room,
@@ -143,6 +144,18 @@ def select_v1_runner() -> None:
     os.environ[V2_RUNNER_ENV] = "0"
 
 
+def session_stats(llm) -> dict:
+    """What session reuse did so far in the engine of `llm` (`vllm.LLM`): states kept, their blocks, hits, partial
+    hits (with the tokens reused), misses and drops (`SessionStore.stats`). Over HTTP: `GET /trikv/stats`."""
+    from .session_reuse import ENGINE_UTILITY
+
+    client = llm.llm_engine.engine_core
+    core = getattr(client, "engine_core", None)  # in-process engine core
+    if core is not None:
+        return getattr(core, ENGINE_UTILITY)()
+    return client.call_utility(ENGINE_UTILITY)
+
+
 def serve_flags(**settings) -> list[str]:
     """The `vllm serve` command-line flags equivalent to `engine_args(**settings)` (the V1 runner is chosen by
     the environment: run `vllm serve` with VLLM_USE_V2_MODEL_RUNNER=0, as `trikv serve` does)."""
@@ -168,6 +181,7 @@ __all__ = [
     "select_v1_runner",
     "serve_flags",
     "serve_flags_text",
+    "session_stats",
     "serving_methods",
     "BoundedKVSettings",
     "SettingsError",

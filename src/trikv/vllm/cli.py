@@ -30,6 +30,11 @@ def _add_settings(parser, default_model: str | None) -> None:
                         help="start at most this many compaction rounds per step; decoding requests past it wait up to one block "
                              "(default: max(4, ceil(2 max_num_seqs / divide_length)): four rounds cost about one decode "
                              "step at 8B-model shapes)")
+    parser.add_argument("--no-session-reuse", action="store_true",
+                        help="prefill every request whole: do not keep a finished request's bounded KV for the next turn of "
+                             "its conversation (default: kept, reclaimable, and continued by a prompt that extends it)")
+    parser.add_argument("--max-kept-sessions", type=int,
+                        help="the most finished requests' states kept at once (default: vLLM's max_num_seqs)")
     parser.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
                         help="method option, e.g. recent_window=8 (JSON values; repeatable)")
     parser.add_argument("--model", default=default_model,
@@ -61,6 +66,10 @@ def _settings(args) -> dict:
         limits["allow_full_requests"] = True
     if args.max_rounds_per_step is not None:
         limits["max_rounds_per_step"] = args.max_rounds_per_step
+    if args.no_session_reuse:
+        limits["session_reuse"] = False
+    if args.max_kept_sessions is not None:
+        limits["max_kept_sessions"] = args.max_kept_sessions
     return dict(method=args.method, budget=args.budget, divide_length=args.divide_length, stats=stats,
                 protect_prompt=not args.no_protect_prompt, prefill_chunk_size=args.prefill_chunk_size, model=args.model,
                 **limits, **options)

@@ -46,6 +46,19 @@ class CompactionOp:
     # may read; the worker copies each original into its copy, which replaces it in the request's blocks, before the
     # round, so the round never writes into a cached or shared block
     copies: tuple[tuple[int, int], ...] = ()
+    # a kept state's round (no running request: `request_id` names the state): the blocks it reads, in order
+    block_ids: tuple[int, ...] | None = None
+
+
+@dataclass
+class SessionChanges:
+    """Kept states the workers hear of with a step: kept since the last step (their kept positions stay when the
+    request finishes), dropped (forgotten), and taken by a new request (request id -> state id: the state's kept
+    positions become the request's)."""
+
+    kept: tuple[str, ...] = ()
+    dropped: tuple[str, ...] = ()
+    adopted: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -58,6 +71,7 @@ class StepPlan:
     running: int = 0  # requests running after this step was scheduled
     preemptions: int = 0  # preemptions since the engine started
     request_blocks: int = 0  # the most full-attention blocks one bounded request holds for this step's forward
+    sessions: SessionChanges | None = None  # session reuse's changes since the last step
 
 
 @dataclass
@@ -112,8 +126,9 @@ class Compactor:
         self.protect_prompt = protect_prompt
         self.min_decode_room = min_decode_room
         self.round_workspace_bytes = round_workspace_bytes
-        # request -> [L, Hkv, kept] int32 positions of slots [0, kept), on the cache's device
+        # request (or kept state) -> [L, Hkv, kept] int32 positions of slots [0, kept), on the cache's device
         self.kept_positions: dict[str, torch.Tensor] = {}
+        self.kept_states: set[str] = set()  # finished requests whose state is kept: their positions stay
         self.record = record
         self.records: list[RoundRecord] = []
         self.rounds = 0
@@ -132,7 +147,26 @@ class Compactor:
         self.preemptions = preemptions
 
     def forget(self, request_id: str) -> None:
-        self.kept_positions.pop(request_id, None)
+        """A request ended or was preempted: its kept positions go, unless its state is kept."""
+        if request_id not in self.kept_states:
+            self.kept_positions.pop(request_id, None)
+
+    def apply_sessions(self, changes: SessionChanges, before_rounds: bool) -> None:
+        """Session reuse's changes: the kept states before the step's rounds (a kept state's round runs among
+        them), the dropped and adopted ones after."""
+        if before_rounds:
+            self.kept_states.update(changes.kept)
+            return
+        for state_id in changes.dropped:
+            self.kept_states.discard(state_id)
+            self.kept_positions.pop(state_id, None)
+        for request_id, state_id in changes.adopted.items():
+            self.kept_states.discard(state_id)
+            positions = self.kept_positions.pop(state_id, None)
+            if positions is None:
+                raise RuntimeError(f"request {request_id} continues kept state {state_id}, whose kept positions this "
+                                   "worker does not hold")
+            self.kept_positions[request_id] = positions
 
     # ---- the memory plan ------------------------------------------------------------------------------
     def chunk_bytes(self, requests: int, layers: int, heads: int, slots: int, head_dim: int, element_size: int,
@@ -200,10 +234,12 @@ class Compactor:
         block_ids: dict[str, list[int]],
         key_scales: list[torch.Tensor | None] | None = None,
     ) -> None:
-        """Compact every request of `rounds` in place; `block_ids` are each request's blocks before the round;
-        `key_scales`: for an fp8 cache, each layer's key scale (a device tensor), by which its keys are read."""
+        """Compact every request of `rounds` in place; `block_ids` are each request's blocks before the round (a kept
+        state's round carries its own, `CompactionOp.block_ids`); `key_scales`: for an fp8 cache, each layer's key
+        scale (a device tensor), by which its keys are read."""
         if not rounds:
             return
+        block_ids = {**block_ids, **{op.request_id: list(op.block_ids) for op in rounds if op.block_ids is not None}}
         started = time.perf_counter()
         block_size = codecs[0].block_size
         device = kv_caches[0].device

@@ -6,7 +6,8 @@ adds these checks there:
 
 - a request's own budget, `SamplingParams.extra_args["trikv_budget"]` (OpenAI API:
   `extra_body={"vllm_xargs": {"trikv_budget": 1024}}`, or `"full"`), must be within the server's limits
-  (`BoundedKVSettings.request_budget`: at least `MIN_BUDGET`, no other `trikv*` key);
+  (`BoundedKVSettings.request_budget`: at least `MIN_BUDGET`), its session choice `"trikv_session"` "on" or "off",
+  and no other `trikv*` key;
 - beam search is refused: vLLM runs it as a new one-token request per step whose prompt is the whole beam, so
   no request ever reaches a round and the beams run with full attention;
 - streaming-input sessions (resumable requests) are refused: their prompt grows after the request started,
@@ -39,7 +40,7 @@ import json
 import os
 import sys
 
-from .settings import REQUEST_BUDGET_KEY, REQUEST_KEY_PREFIX, BoundedKVSettings, RequestSettingsError
+from .settings import REQUEST_BUDGET_KEY, REQUEST_KEY_PREFIX, REQUEST_SESSION_KEY, BoundedKVSettings, RequestSettingsError
 
 REQUEST_CHECKS_ENV = "TRIKV_REQUEST_CHECKS"  # set where the checks run; vLLM's engine processes inherit it
 _HTTP_MODULE = "vllm.entrypoints.generate.base.serving"  # chat, completions and responses all pass through it
@@ -97,6 +98,10 @@ def check_request(settings: BoundedKVSettings, params, resumable: bool = False) 
                 "the request's cache was compacted")
     extra_args = getattr(params, "extra_args", None)
     try:
+        settings.request_session(extra_args)
+    except RequestSettingsError as error:
+        _refuse(str(error), parameter=REQUEST_SESSION_KEY, value=(extra_args or {}).get(REQUEST_SESSION_KEY))
+    try:
         settings.request_budget(extra_args)
     except RequestSettingsError as error:
         _refuse(str(error), parameter=REQUEST_BUDGET_KEY, value=(extra_args or {}).get(REQUEST_BUDGET_KEY))
@@ -142,6 +147,8 @@ def http_refusal(request, body) -> tuple[str, str] | None:
     xargs = body.get("vllm_xargs") if isinstance(body, dict) else None
     for key, value in (xargs.items() if isinstance(xargs, dict) else ()):
         if isinstance(key, str) and key.startswith(REQUEST_KEY_PREFIX) and isinstance(value, bool):
+            if key == REQUEST_SESSION_KEY:
+                return f'{key} must be "on" or "off", got {json.dumps(value)}', key
             return (f"{key} must be an integer number of KV entries per (layer, KV head) or 'full', got "
                     f"{json.dumps(value)}", key)
     return None

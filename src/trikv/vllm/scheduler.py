@@ -73,7 +73,8 @@ from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
 from vllm.v1.request import RequestStatus
 
 from .capacity import full_request_refusal, max_step_tokens, request_bound
-from .compactor import CompactionOp, StepPlan
+from .compactor import CompactionOp, SessionChanges, StepPlan
+from .session_reuse import SessionReuse
 from .settings import BoundedKVSettings, RequestSettingsError
 from .support import check_engine_config
 
@@ -138,8 +139,9 @@ def never_cache_compacted(manager, compacted) -> None:
     manager.cache_blocks = cache_blocks
 
 
-class TriKVScheduler(Scheduler):
-    """vLLM's scheduler with a bounded KV cache per request (settings in `additional_config["trikv"]`)."""
+class TriKVScheduler(SessionReuse, Scheduler):
+    """vLLM's scheduler with a bounded KV cache per request (settings in `additional_config["trikv"]`), and session
+    reuse (`session_reuse.py`)."""
 
     def __init__(self, vllm_config, *args, **kwargs):
         super().__init__(vllm_config, *args, **kwargs)
@@ -161,6 +163,7 @@ class TriKVScheduler(Scheduler):
         self._trikv_full_capacity = self._largest_request_fitting(self.kv_cache_manager.block_pool.num_gpu_blocks - 1)
         count_physical(self._trikv_manager, self.trikv_offsets, self._admission_cap)
         never_cache_compacted(self._trikv_manager, self.trikv_offsets)  # prefix caching: only uncompacted KV is hashed
+        self._init_sessions(vllm_config.scheduler_config.max_num_seqs)
         self._announce_capacity()
 
     def schedule(self, *args, **kwargs):
@@ -175,6 +178,7 @@ class TriKVScheduler(Scheduler):
             preemptions=self.trikv_preemptions,
             request_blocks=max((len(blocks.get(r.request_id, ())) for r in self.running if self._budget_of(r) is not None),
                                default=0),
+            sessions=SessionChanges(*self.trikv_sessions.take_changes()) if self.trikv_sessions is not None else None,
         )
         output.trikv = plan
         return output
@@ -244,6 +248,7 @@ class TriKVScheduler(Scheduler):
             if budget is not None and length >= settings.round_trigger(budget):
                 due.append((request, budget, length))
         chosen = self._spread(due)
+        due_states = self._pin_due_states()  # kept states due for their round (session reuse)
         # copy-on-write for every round of the step before any block goes back to the pool, so that no fresh block
         # is one a round of this step still reads
         private = {request.request_id: self._private_kept_blocks(request.request_id, -(-budget // self._trikv_block))
@@ -266,6 +271,7 @@ class TriKVScheduler(Scheduler):
             pool.free_blocks([*reversed(tail), *reversed(released)])  # vLLM's order: the prefix's blocks evicted last
             held[request.request_id] = len(blocks)
             self.trikv_offsets[request.request_id] = computed - budget
+            self._trikv_last_round[request.request_id] = (computed, budget)
             self.trikv_rounds += 1
             self.trikv_blocks_freed += len(tail)
             if request.request_id not in self._trikv_announced:
@@ -278,7 +284,7 @@ class TriKVScheduler(Scheduler):
                     position=computed,
                     length=length,
                     budget=budget,
-                    prompt_length=request.num_prompt_tokens,
+                    prompt_length=self._trikv_prompts.get(request.request_id, request.num_prompt_tokens),
                     kept_blocks=len(blocks),
                     freed_blocks=len(tail),
                     copies=tuple((old.block_id, fresh.block_id) for old, (_, fresh) in zip(released, copies)),
@@ -286,6 +292,9 @@ class TriKVScheduler(Scheduler):
                     held_blocks=sum(held.values()),
                 )
             )
+        for state in due_states:
+            rounds.append(self._session_round(state, sum(held.values())))
+            self.trikv_rounds += 1
         return rounds
 
     def _private_kept_blocks(self, request_id: str, kept: int) -> list | None:
@@ -315,7 +324,11 @@ class TriKVScheduler(Scheduler):
         return list(zip(copied, pool.get_new_blocks(len(copied))))
 
     def _get_local_prefix_cache_hit(self, request):
-        """vLLM's prefix-cache hit for a waiting request, limited for a bounded one (`_prefix_hit_limit`)."""
+        """vLLM's prefix-cache hit for a waiting request, limited for a bounded one (`_prefix_hit_limit`), or a kept
+        state's continuation where that reuses more (`SessionReuse._session_hit`)."""
+        return self._session_hit(request, *self._limited_prefix_hit(request))
+
+    def _limited_prefix_hit(self, request):
         blocks, hit, boundary, diverged = super()._get_local_prefix_cache_hit(request)
         budget = self._budget_of(request) if hit else None
         if budget is None:
@@ -391,7 +404,10 @@ class TriKVScheduler(Scheduler):
             return max(known, min(num_new_tokens, trigger - physical))
         if physical + known <= trigger:
             return num_new_tokens
-        return min(num_new_tokens, self._trikv_chunk)
+        step = min(num_new_tokens, self._trikv_chunk)
+        if step == self._trikv_chunk and known - step == 1 and step > 1:
+            return step - 1  # no last chunk of one token (the transformers path's `chunk_bounds`)
+        return step
 
     def _blocks_for(self, full_tokens: int, tokens: int) -> int:
         """Blocks a fresh request needs over every KV cache group when the full-attention group holds `full_tokens`
@@ -447,10 +463,13 @@ class TriKVScheduler(Scheduler):
     def _preempt_request(self, request, *args, **kwargs):
         super()._preempt_request(request, *args, **kwargs)
         self.trikv_offsets.pop(request.request_id, None)  # recomputed from scratch on resume
+        self._forget_request(request.request_id)
         self.trikv_preemptions += 1
 
     def _free_request(self, request, *args, **kwargs):
+        result = super()._free_request(request, *args, **kwargs)  # keeps its state first, where it can be kept
         self.trikv_offsets.pop(request.request_id, None)
         self._trikv_announced.discard(request.request_id)
         self._trikv_budgets.pop(request.request_id, None)
-        return super()._free_request(request, *args, **kwargs)
+        self._forget_request(request.request_id)
+        return result

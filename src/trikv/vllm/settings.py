@@ -17,6 +17,8 @@ from ..settings import (DEFAULT_BUDGET, DEFAULT_DIVIDE_LENGTH, DEFAULT_METHOD, D
 CONFIG_KEY = "trikv"
 # the per-request choice, in `SamplingParams.extra_args` (OpenAI API: `extra_body={"vllm_xargs": {...}}`)
 REQUEST_BUDGET_KEY = "trikv_budget"
+REQUEST_SESSION_KEY = "trikv_session"  # "off": the request neither continues a kept state nor leaves one
+SESSION_CHOICES = ("on", "off")
 REQUEST_KEY_PREFIX = "trikv"  # every extra_args key of trikv's starts with it; unknown ones are refused
 # the smallest budget a server or a request may set: below it a round keeps fewer entries than StreamingLLM's 4
 # attention sinks plus a dozen recent tokens, and generated text degrades to noise
@@ -60,7 +62,13 @@ class BoundedKVSettings:
     A request may choose its own budget with `extra_args["trikv_budget"]` (an integer, or "full" for full
     attention), within the server's limits: at least `MIN_BUDGET` (16) and above the method's recent window, at
     most `max_request_budget` (default: `budget`, so a request can shrink its cache but not grow it), and "full"
-    only with `allow_full_requests`. Any other `trikv*` key of `extra_args` is refused, not ignored.
+    only with `allow_full_requests`. Any other `trikv*` key of `extra_args` but `trikv_session` is refused, not
+    ignored.
+
+    Session reuse (`session_reuse`, on by default): a finished bounded request's compacted KV is kept, reclaimable,
+    and a later request whose prompt continues its token ids starts from it instead of prefilling the whole
+    conversation again (`sessions.py`). At most `max_kept_sessions` states are kept (default: max_num_seqs). A
+    request opts out with `extra_args["trikv_session"] = "off"`.
     """
 
     method: str = DEFAULT_METHOD
@@ -82,6 +90,8 @@ class BoundedKVSettings:
     max_rounds_per_step: int | None = None
     # the most tokens one step prefills of a request that would otherwise pass budget + divide_length
     prefill_chunk_size: int = DEFAULT_PREFILL_CHUNK_SIZE
+    session_reuse: bool = True  # keep finished requests' KV for the next turn of their conversation
+    max_kept_sessions: int | None = None  # the most states kept at once (None: max_num_seqs)
 
     def __post_init__(self) -> None:
         if self.method == "full":
@@ -107,7 +117,10 @@ class BoundedKVSettings:
             raise SettingsError(f"max_request_budget must be a positive integer or null, got {self.max_request_budget!r}")
         if self.max_request_budget is not None and self.max_request_budget < MIN_BUDGET:
             raise SettingsError(f"max_request_budget must be at least {MIN_BUDGET}, got {self.max_request_budget}")
-        for name in ("protect_prompt", "allow_untested_platform", "record_rounds", "allow_full_requests"):
+        if self.max_kept_sessions is not None and (
+                isinstance(self.max_kept_sessions, bool) or not isinstance(self.max_kept_sessions, int) or self.max_kept_sessions < 1):
+            raise SettingsError(f"max_kept_sessions must be a positive integer or null, got {self.max_kept_sessions!r}")
+        for name in ("protect_prompt", "allow_untested_platform", "record_rounds", "allow_full_requests", "session_reuse"):
             if not isinstance(getattr(self, name), bool):
                 raise SettingsError(f"{name} must be true or false, got {getattr(self, name)!r}")
         try:  # the settings every backend shares: method options, statistics, budget vs recent window
@@ -178,9 +191,11 @@ class BoundedKVSettings:
         if extra_args is not None and not isinstance(extra_args, dict):
             raise RequestSettingsError(f"extra_args must be a dict, got {type(extra_args).__name__}")
         unknown = sorted(key for key in (extra_args or {}) if isinstance(key, str) and key.startswith(REQUEST_KEY_PREFIX)
-                         and key != REQUEST_BUDGET_KEY)
+                         and key not in (REQUEST_BUDGET_KEY, REQUEST_SESSION_KEY))
         if unknown:
-            raise RequestSettingsError(f"unknown trikv request setting(s) {unknown}: the only one is {REQUEST_BUDGET_KEY!r}")
+            raise RequestSettingsError(f"unknown trikv request setting(s) {unknown}: the only ones are "
+                                       f"{REQUEST_BUDGET_KEY!r} and {REQUEST_SESSION_KEY!r}")
+        self.request_session(extra_args)
         choice = (extra_args or {}).get(REQUEST_BUDGET_KEY)
         if choice is None:
             return self.budget
@@ -200,6 +215,20 @@ class BoundedKVSettings:
                                        f"{self._recent_window} tokens, at most "
                                        f"{'budget' if self.max_request_budget is None else 'max_request_budget'})")
         return choice
+
+    def request_session(self, extra_args: dict | None) -> bool:
+        """Whether a request with these `SamplingParams.extra_args` takes part in session reuse: the engine's switch,
+        unless the request says `"trikv_session": "off"`; RequestSettingsError for any other value than "on"/"off"."""
+        choice = (extra_args or {}).get(REQUEST_SESSION_KEY) if isinstance(extra_args, dict) else None
+        if choice is not None and choice not in SESSION_CHOICES:
+            raise RequestSettingsError(f"{REQUEST_SESSION_KEY} must be \"on\" or \"off\", got {choice!r}")
+        return self.session_reuse and choice != "off"
+
+    def kept_sessions(self, max_num_seqs: int) -> int:
+        """The most states session reuse keeps at once: `max_kept_sessions`, else `max_num_seqs` (0 when off)."""
+        if not self.session_reuse:
+            return 0
+        return self.max_kept_sessions or max_num_seqs
 
     def to_config(self) -> dict:
         """The dict for `additional_config[CONFIG_KEY]`."""

@@ -129,6 +129,9 @@ class BoundedKVRunner:
 
     def _trikv_before_step(self, scheduler_output, plan: StepPlan | None) -> None:
         compactor = self.trikv_compactor
+        sessions = plan.sessions if plan is not None else None
+        if sessions is not None:  # a finished request whose state is kept keeps its positions
+            compactor.apply_sessions(sessions, before_rounds=True)
         for request_id in set(scheduler_output.preempted_req_ids or ()) | set(scheduler_output.finished_req_ids or ()):
             compactor.forget(request_id)
         self._trikv_offsets = plan.offsets if plan is not None else {}
@@ -136,13 +139,19 @@ class BoundedKVRunner:
         if plan is None:
             return
         compactor.note_step(plan.running, plan.preemptions, plan.request_blocks)
-        if not plan.rounds:
-            return
+        if plan.rounds:
+            self._trikv_rounds(plan.rounds)
+        if sessions is not None:  # after the rounds: a state dropped or taken in this step may have had its round
+            compactor.apply_sessions(sessions, before_rounds=False)
+
+    def _trikv_rounds(self, rounds) -> None:
         group = self._trikv_group
-        self._trikv_copy_on_write(plan.rounds)
-        block_ids = {op.request_id: self.requests[op.request_id].block_ids[group] for op in plan.rounds}
-        compactor.run(plan.rounds, self._trikv_caches, self._trikv_codecs, block_ids, self._trikv_key_scales)
-        for op in plan.rounds:
+        self._trikv_copy_on_write(rounds)
+        block_ids = {op.request_id: self.requests[op.request_id].block_ids[group] for op in rounds if op.block_ids is None}
+        self.trikv_compactor.run(rounds, self._trikv_caches, self._trikv_codecs, block_ids, self._trikv_key_scales)
+        for op in rounds:
+            if op.block_ids is not None:  # a kept state's round: no running request to cut
+                continue
             state = self.requests[op.request_id]
             del state.block_ids[group][op.kept_blocks :]
             row = self.input_batch.req_id_to_index.get(op.request_id)
@@ -353,27 +362,29 @@ class TriKVWorker(_PlatformWorker):
     def trikv_stats(self) -> dict:
         """Rounds and time spent compacting on this worker; the most requests running at once, the most
         full-attention KV blocks one bounded request held in a step (`max_request_blocks`: at most its bound's) and
-        the preemptions so far, as the scheduler reported them; how many requests were compacted, and the ids of
+        the preemptions so far, as the scheduler reported them; how many requests were compacted, the ids of
         those running now with a compacted cache (finished and aborted requests are dropped, so the map stays
-        bounded)."""
+        bounded), and how many kept states (session reuse) this worker holds kept positions for."""
         compactor = getattr(self.model_runner, "trikv_compactor", None)
         if compactor is None:
             return {}
         return {"rounds": compactor.rounds, "seconds": compactor.seconds, "max_running": compactor.max_running,
                 "max_request_blocks": compactor.max_request_blocks, "preemptions": compactor.preemptions,
                 "compacted_requests": compactor.compacted_requests,
-                "compacted_running": sorted(compactor.kept_positions)}
+                "compacted_running": sorted(set(compactor.kept_positions) - compactor.kept_states),
+                "kept_states": len(compactor.kept_states)}
 
 
 def trikv_reserved_bytes(settings: BoundedKVSettings, vllm_config, kv_heads: int | None = None) -> int:
     """Accelerator bytes trikv holds beside vLLM's KV pool on one worker (`kv_heads`: its KV heads, default this
-    tensor-parallel rank's): the rounds' workspace, and the kept positions of `max_num_seqs` compacted requests at
-    the largest budget a request may have."""
+    tensor-parallel rank's): the rounds' workspace, and the kept positions of `max_num_seqs` compacted requests and
+    of the kept states (session reuse) at the largest budget a request may have."""
     shape = config_shape(vllm_config.model_config.hf_config)
     heads = kv_heads if kv_heads is not None else len(local_kv_heads(shape.num_kv_heads, *_tp()))
     budget = max(settings.budget, settings.max_request_budget or 0)
     state = request_state_bytes(len(shape.cached_layers), heads, budget)
-    return settings.round_workspace_bytes + vllm_config.scheduler_config.max_num_seqs * state
+    states = vllm_config.scheduler_config.max_num_seqs + settings.kept_sessions(vllm_config.scheduler_config.max_num_seqs)
+    return settings.round_workspace_bytes + states * state
 
 
 def check_round_floor(compactor: Compactor, cache: torch.Tensor, codec: PageCodec, layers: int, entries: int) -> None:
