@@ -836,6 +836,9 @@ def test_rejected_drafts_roll_the_physical_length_back_and_rounds_see_verified_t
         offsets_before = dict(scheduler.trikv_offsets)
         output = scheduler.schedule()
         for op in output.trikv.rounds:
+            if op.block_ids is not None:  # a finished request's kept state due for its round (session reuse)
+                assert op.position < verified[op.request_id] + k and op.length >= trigger
+                continue
             assert op.position == verified[op.request_id]  # no draft token counted
             assert op.length == verified[op.request_id] - offsets_before.get(op.request_id, 0)
             assert trigger <= op.length < trigger + BLOCK

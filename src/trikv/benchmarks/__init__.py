@@ -33,6 +33,8 @@ BENCH_MODULES = [
     "trikv.benchmarks.serving_report",
     "trikv.benchmarks.soak",
     "trikv.benchmarks.agent.cli",
+    "trikv.benchmarks.conversation",
+    "trikv.benchmarks.conversation_report",
     "trikv.benchmarks.readme",
 ]
 

@@ -6,8 +6,10 @@ first token.
 - MLX: mlx-lm's chat pattern, one prompt cache for the whole conversation, each message's ids through
   `mlx_lm.stream_generate` (prefill_step_size = the cache's prefill chunk).
 - vLLM: `trikv serve` (vLLM's OpenAI server with trikv's flags; plain `vllm serve` for full attention) driven by
-  the `openai` client's chat API as an agent calls it: every message sends the whole conversation, which vLLM
-  prefills again (compacting between chunks when bounded).
+  the `openai` client's chat API as an agent calls it: every message sends the whole conversation. With session
+  reuse (trikv's default) the server continues the bounded cache the previous message left and prefills only the
+  new tokens; stateless (`--no-session-reuse`, the "vllm-stateless" backend) it prefills the whole conversation
+  again, compacting between chunks. Each message records the prompt's tokens and those vLLM did not compute.
 
 Memory limit: on vLLM the KV pool itself (`num_gpu_blocks_override`): a conversation longer than full attention's
 pool is refused with vLLM's own 400 error. On transformers and MLX the harness enforces a KV byte cap: after
@@ -171,19 +173,21 @@ class Server:
     """`trikv serve` (or plain vLLM for full attention) in its own process group, on a fixed KV pool."""
 
     def __init__(self, model: str, method: str, budget: int | None, pool_blocks: int, max_model_len: int, port: int,
-                 log_path: Path, stats: str | None = None, dtype: str = "float32", extra: list[str] | None = None):
+                 log_path: Path, stats: str | None = None, dtype: str = "float32", extra: list[str] | None = None,
+                 settings: dict | None = None, max_num_seqs: int = 4):
         from trikv.models import resolve_model_path
 
         self.port, self.log_path = port, log_path
         args = [sys.executable, "-m", "trikv.vllm.launch", "serve", resolve_model_path(model), "--port", str(port),
                 "--served-model-name", "model", "--dtype", dtype, "--enforce-eager", "--max-model-len", str(max_model_len),
-                "--num-gpu-blocks-override", str(pool_blocks), "--max-num-seqs", "4", *(extra or [])]
+                "--num-gpu-blocks-override", str(pool_blocks), "--max-num-seqs", str(max_num_seqs),
+                "--enable-prompt-tokens-details", *(extra or [])]
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
         if method != "full":
             import trikv.vllm
             from trikv.vllm.endpoint import plugins_setting
 
-            args += trikv.vllm.serve_flags(method=method, budget=budget, stats=stats, model=model)
+            args += trikv.vllm.serve_flags(method=method, budget=budget, stats=stats, model=model, **(settings or {}))
             env["VLLM_PLUGINS"] = plugins_setting()
         self.command = args
         with open(log_path, "w") as log:
@@ -207,6 +211,13 @@ class Server:
 
         if self.process.poll() is None:
             stop_server(self.process)
+
+    def trikv_stats(self) -> list[dict]:
+        """`GET /trikv/stats`: one dict per rank (rounds, kept states, and the engine's "sessions" figures)."""
+        import urllib.request
+
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/trikv/stats", timeout=30) as response:
+            return json.loads(response.read())
 
     def kv_usage(self) -> float:
         """vLLM's own gauge of the KV pool in use (0-1), from its Prometheus metrics."""
@@ -268,10 +279,20 @@ def run_vllm(server: Server, session: AgentSession, pool_bytes: int, max_new_tok
         records.append(_record(message, reply, None if references is None else references[index],
                                held_bytes=int(held * pool_bytes), peak_bytes=int(max(peak[0], held) * pool_bytes),
                                tokens=None if usage is None else usage.prompt_tokens + usage.completion_tokens,
-                               ttft=ttft if ttft is not None else time.perf_counter() - started, rounds=None))
+                               ttft=ttft if ttft is not None else time.perf_counter() - started, rounds=None,
+                               **_prompt_usage(usage)))
         if progress is not None:
             progress()
     return {"records": records, "error": error}
+
+
+def _prompt_usage(usage) -> dict:
+    """The prompt's tokens and those vLLM did not compute (a prefix-cache hit or a continued kept state: vLLM's
+    `prompt_tokens_details.cached_tokens`, with `--enable-prompt-tokens-details`)."""
+    if usage is None:
+        return {"prompt_tokens": None, "cached_tokens": None}
+    details = getattr(usage, "prompt_tokens_details", None)
+    return {"prompt_tokens": usage.prompt_tokens, "cached_tokens": getattr(details, "cached_tokens", None) or 0}
 
 
 def _short(text: str, limit: int = 400) -> str:

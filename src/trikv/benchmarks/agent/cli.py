@@ -25,13 +25,18 @@ from .. import register_bench
 
 DEFAULT_MODEL = "qwen2.5-coder-0.5b"
 DEFAULT_METHODS = {"transformers": ("triattention", "rkv", "snapkv", "h2o", "streaming"),
-                   "mlx": ("triattention", "streaming"), "vllm": ("triattention", "streaming")}
+                   "mlx": ("triattention", "streaming"), "vllm": ("triattention", "streaming"),
+                   "vllm-stateless": ("triattention", "streaming")}
+# vLLM with session reuse (trikv's default: each message continues the cache the previous one left) and without it
+# (every message prefills the whole conversation again); full attention is plain vLLM, run once, under "vllm"
+VLLM_BACKENDS = {"vllm": True, "vllm-stateless": False}
 REFERENCE = "full-unlimited"
 
 
 def add_arguments(parser) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL, help="bundled name or path (a model with >= 16K trained positions)")
-    parser.add_argument("--backends", default="transformers", help="comma-separated: transformers, mlx, vllm")
+    parser.add_argument("--backends", default="transformers",
+                        help="comma-separated: transformers, mlx, vllm (session reuse on), vllm-stateless (off)")
     parser.add_argument("--methods", help="comma-separated bounded methods (default: per backend, "
                         + "; ".join(f"{b}: {','.join(m)}" for b, m in DEFAULT_METHODS.items()) + ")")
     parser.add_argument("--sessions", type=int, default=6, help="sessions (seeds 0 .. n-1)")
@@ -146,7 +151,8 @@ def main(args) -> int:
         elif backend == "mlx":
             _run_mlx(sessions, methods, references, cells, common, cap_bytes, args)
         else:
-            _run_vllm(sessions, methods, references, cells, common, per_token, args)
+            _run_vllm(backend, sessions, methods[1:] if backend == "vllm-stateless" else methods, references, cells,
+                      common, per_token, args)
     if cells.reused:
         print(f"[trikv bench agent] reused {len(cells.reused)} finished cells whose fingerprints match: "
               f"{', '.join(sorted(cells.reused))}", flush=True)
@@ -239,7 +245,7 @@ def _run_mlx(sessions, methods, references, cells, common, cap_bytes, args) -> N
                                       progress=bar.update))
 
 
-def _run_vllm(sessions, methods, references, cells, common, per_token, args) -> None:
+def _run_vllm(backend, sessions, methods, references, cells, common, per_token, args) -> None:
     try:
         import vllm  # noqa: F401
     except ImportError:
@@ -252,20 +258,24 @@ def _run_vllm(sessions, methods, references, cells, common, per_token, args) -> 
     pool_blocks = usable + 1  # vLLM keeps one null block
     pool_bytes = usable * block * per_token
     out = Path(args.out)
+    reuse = VLLM_BACKENDS[backend]
     for method in methods:
         settings = {**common, "pool_blocks": pool_blocks, "block": block}
-        todo = [s for s in sessions if cells.get("vllm", method, s.seed, ({"backend": "vllm", "method": method,
-                                                                                      "session": s.to_json(), **settings})) is None]
+        if method != "full":
+            settings["session_reuse"] = reuse
+        todo = [s for s in sessions if cells.get(backend, method, s.seed, ({"backend": backend, "method": method,
+                                                                            "session": s.to_json(), **settings})) is None]
         if not todo:
             continue
         # full attention: vLLM sizes max_model_len to its pool (it refuses a longer one); bounded: the trained length
         max_model_len = usable * block if method == "full" else 32768
         stats = args.model if method != "full" and trikv.METHODS[method].needs_stats else None
-        with Server(args.model, method, args.budget, pool_blocks, max_model_len, args.port, out / f"vllm-{method}.log",
-                    stats=stats, extra=["--no-enable-prefix-caching"]) as server:
+        with Server(args.model, method, args.budget, pool_blocks, max_model_len, args.port, out / f"{backend}-{method}.log",
+                    stats=stats, extra=["--no-enable-prefix-caching"],
+                    settings=None if method == "full" else {"session_reuse": reuse}) as server:
             for session in todo:
-                with _bar(len(session.messages), f"vllm {method} s{session.seed}", args) as bar:
-                    _cell("vllm", method, session, settings, cells,
+                with _bar(len(session.messages), f"{backend} {method} s{session.seed}", args) as bar:
+                    _cell(backend, method, session, settings, cells,
                           lambda: run_vllm(server, session, pool_bytes, max_new_tokens=args.max_new_tokens,
                                            references=references[session.seed], progress=bar.update))
 
