@@ -505,3 +505,46 @@ def test_cli_generates_with_the_mlx_engine(capsys):
     assert record["texts"][0].strip() and 0 < record["peak_cache_bytes"]
     with pytest.raises(SystemExit, match="method 'h2o' has no MLX cache"):
         main(["generate", "--engine", "mlx", "--prompt", "hi", "--method", "h2o"])
+
+
+def test_an_mlx_session_continues_one_prompt_cache_as_trikv_session_does(real_model):
+    """`trikv.mlx.Session` (mlx-lm's chat pattern on one trikv prompt cache) and `trikv.Session` (transformers) over
+    the same three messages, B = 48, slack 8: each turn feeds only what the chat template adds after the last reply
+    (the same token stream on both: transformers feeds the reply's last token with the next turn, mlx-lm as it
+    yields it), the cache keeps growing logically while holding at most its bound, and the greedy replies agree
+    until a near-tie of the transformers logits."""
+    model, tokenizer = real_model
+    mlx_model, mlx_tokenizer = trikv.mlx.load("smollm2-135m")
+    settings = dict(budget=48, divide_length=8, stats="smollm2-135m")
+    mine = trikv.mlx.Session(mlx_model, mlx_tokenizer, **settings)
+    theirs = trikv.Session(model, tokenizer, **settings)
+    messages = ["Name three prime numbers.", "And three more?", "Which of them is the largest?"]
+    for index, message in enumerate(messages):
+        fed_mine, fed_theirs = mine.next_ids(message), theirs.next_ids(message)
+        before = mine.tokens_seen
+        turn = mine.send(message, max_new_tokens=24)
+        reference = theirs.send(message, max_new_tokens=24, return_logits=True)
+        assert fed_mine == fed_theirs, f"turn {index}: different ids fed"
+        assert mine.tokens_seen == before + len(fed_mine) + turn.reply_tokens  # one cache, nothing read again
+        assert mine.bounded.peak_length <= 48 + 8 + 512
+        same = agreement(mine.reply_ids, reference.tokens[0])
+        if mine.reply_ids != reference.tokens[0]:
+            top2 = reference.logits[same][0].topk(2).values
+            assert float(top2[0] - top2[1]) < 0.05, f"turn {index} diverged at token {same}"
+            break  # past a near-tie the two conversations differ
+        assert mine.tokens_seen == theirs.tokens_seen + 1  # mlx-lm has fed the reply's last token already
+    assert mine.bounded.rounds >= 3
+
+
+def test_cli_chats_with_the_mlx_engine(monkeypatch, capsys):
+    """`trikv chat --engine mlx`: the same lines as on the transformers path, one prompt cache for the conversation."""
+    import io
+
+    from trikv.cli import main
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("Name three prime numbers.\nAnd three more?\n"))
+    assert main(["chat", "--engine", "mlx", "--budget", "32", "--divide-length", "16", "--max-new-tokens", "12"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("assistant> ") == 2 and out.count("[KV held: ") == 2 and "rounds so far" in out
+    with pytest.raises(SystemExit, match="method 'h2o' has no MLX cache"):
+        main(["chat", "--engine", "mlx", "--method", "h2o"])

@@ -1695,8 +1695,12 @@ def _prefix_caching_batches(long_ids: list[int]) -> list[dict]:
     a, b = prefix + long_ids[6000:6024], prefix + long_ids[7000:7024]
     short = long_ids[8000 : 8000 + PC_SHORT]
     both = [prefix + long_ids[7200:7216], prefix + long_ids[7400:7416]]
+    # S again opts out of session reuse (which would continue S's kept state, its protected prompt's 199 slots): what
+    # is tested here is the prefix cache's hit on S's cached blocks (session reuse beside prefix caching:
+    # test_vllm_sessions.py)
     return [{"prompts": [a], "max_tokens": PC_NEW}, {"prompts": [b], "max_tokens": PC_NEW}, {"prompts": [a], "max_tokens": PC_NEW},
-            {"prompts": [short], "max_tokens": 120}, {"prompts": [short], "max_tokens": 120},
+            {"prompts": [short], "max_tokens": 120},
+            {"prompts": [short], "max_tokens": 120, "extra_args": [{"trikv_session": "off"}]},
             {"prompts": both, "max_tokens": PC_NEW}]
 
 
@@ -1870,6 +1874,7 @@ def test_a_round_copies_the_blocks_others_may_read_and_never_caches_a_compacted_
         scheduler.__dict__.update(
             trikv=BoundedKVSettings(method="streaming", budget=64, divide_length=SLACK), trikv_offsets={}, trikv_rounds=0,
             trikv_blocks_freed=0, _trikv_announced=set(), _trikv_budgets={}, _trikv_block=BLOCK, _trikv_rounds_per_step=4,
+            _trikv_last_round={}, _trikv_prompts={},
             running=[request], kv_cache_manager=SimpleNamespace(block_pool=pool),
             _trikv_manager=SimpleNamespace(req_to_blocks={"r": list(blocks)}))
         return scheduler, pool, blocks

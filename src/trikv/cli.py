@@ -243,8 +243,9 @@ def _add_chat(sub) -> None:
     p.add_argument("--system", help="system message (models with a chat template)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="the longest reply")
     add_sampling_arguments(p, temperature=0.0)
-    p.add_argument("--engine", default="auto", choices=["auto", "transformers", "lean"],
-                   help="model forward: auto (the lean decoder where it runs the model), transformers or lean")
+    p.add_argument("--engine", default="auto", choices=["auto", "transformers", "lean", "mlx"],
+                   help="model forward: auto (the lean decoder where it runs the model), transformers, lean, or mlx "
+                        "(mlx-lm with trikv's MLX cache: one prompt cache for the conversation)")
     add_threads_argument(p)
     p.set_defaults(func=cmd_chat)
 
@@ -269,15 +270,35 @@ def cmd_chat(args) -> int:
         sys.exit(f"trikv chat: method {args.method!r} needs calibration statistics and {args.model!r} has no bundled "
                  "ones: pass --stats FILE (make one with `trikv calibrate --model ... --text ... --out FILE`)")
     apply_threads(args.threads)
-    model, tokenizer = load_model(args.model)
-    options = {"stats": load_stats(args.stats or args.model, model)} if needs_stats else {}
-    if REGISTRY[args.method].policy_class.evicts:
-        options.update(budget=args.budget, divide_length=args.divide_length, prefill_chunk_size=args.prefill_chunk_size)
-    session = Session(model, tokenizer, method=args.method, system=args.system, engine=resolve_engine(args.engine, model),
-                      **options)
-    sampling = dict(do_sample=True, temperature=args.temperature, top_p=args.top_p, seed=args.seed) if sample else {}
+    evicts = REGISTRY[args.method].policy_class.evicts
+    if args.engine == "mlx":
+        mlx_backend = _import_mlx("chat")
+        if args.method != "full" and args.method not in mlx_backend.methods():
+            sys.exit(f"trikv chat: method {args.method!r} has no MLX cache; --engine mlx runs full, "
+                     f"{', '.join(mlx_backend.methods())}")
+        model, tokenizer = mlx_backend.load(args.model)
+        options = {"stats": args.stats or args.model} if needs_stats else {}
+        if evicts:
+            options.update(budget=args.budget, divide_length=args.divide_length, prefill_chunk_size=args.prefill_chunk_size)
+        session = mlx_backend.Session(model, tokenizer, method=args.method, system=args.system, **options)
+        full_bytes = session.full_attention_bytes
+        sampling = dict(temperature=args.temperature, top_p=args.top_p) if sample else {}
+        if sample and args.seed is not None:
+            import mlx.core as mx
+
+            mx.random.seed(args.seed)
+    else:
+        model, tokenizer = load_model(args.model)
+        options = {"stats": load_stats(args.stats or args.model, model)} if needs_stats else {}
+        if evicts:
+            options.update(budget=args.budget, divide_length=args.divide_length, prefill_chunk_size=args.prefill_chunk_size)
+        session = Session(model, tokenizer, method=args.method, system=args.system,
+                          engine=resolve_engine(args.engine, model), **options)
+        full_bytes = lambda tokens: full_attention_bytes(model, tokens)  # noqa: E731
+        sampling = dict(do_sample=True, temperature=args.temperature, top_p=args.top_p, seed=args.seed) if sample else {}
     interactive = sys.stdin.isatty()
-    bound = getattr(session.cache, "peak_bound", None)
+    bound = getattr(session.cache, "peak_bound", None) if args.engine != "mlx" else (
+        None if session.bounded is None else args.budget + args.divide_length + args.prefill_chunk_size)
     print(f"[trikv chat] {args.model}, {args.method}"
           + (f", budget {args.budget} + {args.divide_length} (at most {bound} entries per (layer, KV head))" if bound else "")
           + ". /reset starts over, /quit ends.", flush=True)
@@ -297,7 +318,7 @@ def cmd_chat(args) -> int:
         session.send(message, max_new_tokens=args.max_new_tokens, **sampling)
         turn = session.turns[-1]
         print(f"assistant> {turn.reply.strip()}", flush=True)
-        full = full_attention_bytes(model, turn.tokens_seen)
+        full = full_bytes(turn.tokens_seen)
         print(f"[KV held: {turn.held_entries} entries per (layer, KV head), {turn.held_bytes / 2**20:.2f} MiB "
               f"(full attention: {full / 2**20:.2f} MiB for {turn.tokens_seen} tokens); peak this turn "
               f"{turn.peak_bytes / 2**20:.2f} MiB; {turn.rounds} rounds so far; first token in "

@@ -11,7 +11,7 @@ chunk more while mlx-lm feeds a prompt in chunks of `prefill_step_size` (a round
 budget + divide_length entries): pass the cache's `prefill_chunk_size` (default 512, `prefill_step_size(cache)`)
 as mlx-lm's `prefill_step_size` (its own default is 2,048). The same prompt cache continues a conversation:
 mlx-lm's chat pattern (each turn's templated message through `stream_generate` with the same `prompt_cache`)
-appends to what it holds. Rounds score in MLX with the same statistics files as the torch path. Methods: those that score stored keys only (`methods()`: TriAttention and its
+appends to what it holds (`trikv.mlx.Session` runs that pattern, as `trikv.Session` does on the transformers path). Rounds score in MLX with the same statistics files as the torch path. Methods: those that score stored keys only (`methods()`: TriAttention and its
 ablations, StreamingLLM, Knorm). `kv_bits=8` or 4 stores the kept entries quantised (memory = budget x bits);
 mlx-lm's own `kv_bits=` argument quantises a trikv cache the same way once `quantized_kv_start` is reached.
 torch is used once, to read and validate the statistics; rounds run in MLX.
@@ -24,6 +24,7 @@ from ..settings import (DEFAULT_BUDGET, DEFAULT_DIVIDE_LENGTH, DEFAULT_MIN_DECOD
 from .cache import BoundedKV, LayerCache, QuantizedLayerCache, check_quantization
 from .model import MlxRope, load, mlx_model_shape, read_rope, transformers_config, weight_signature
 from .scoring import make_scorer
+from .session import Session
 
 DEFAULT_KV_GROUP_SIZE = 64  # mlx-lm's default quantisation group
 

@@ -107,62 +107,34 @@ def _cap_after_every_forward(cache, cap_bytes: int) -> None:
 # ---- MLX --------------------------------------------------------------------------------------------------------
 def run_mlx(model, tokenizer, session: AgentSession, method: str, budget: int | None, cap_bytes: int | None,
             stats=None, max_new_tokens: int = 32, references: list[str] | None = None, progress=None) -> dict:
-    """The session through mlx-lm with one prompt cache (trikv's bounded MLX cache, or mlx-lm's own for "full").
-
-    mlx-lm feeds every token it yields, the last one and an end of turn included, so each later message is what the
-    chat template puts after the last reply, less the end-of-turn text when the reply ended with that token."""
-    import mlx_lm
-    from mlx_lm.sample_utils import make_sampler
-
+    """The session through mlx-lm with one prompt cache (`trikv.mlx.Session`: trikv's bounded MLX cache, or mlx-lm's
+    own for "full"); the KV cap is checked once each message is prefilled."""
     import trikv.mlx
     from trikv.mlx.generation import held_bytes
-    from trikv.session import after_last_reply
 
     options = {"stats": stats} if stats is not None else {}
     if method != "full":
         options["budget"] = budget
-    cache = trikv.mlx.make_prompt_cache(model, method, **options)
-    bounded = trikv.mlx.bounded_cache(cache) if method != "full" else None
-    sampler = make_sampler(temp=0.0)
-    eos = set(getattr(tokenizer, "eos_token_ids", None) or [tokenizer.eos_token_id])
-    messages = [{"role": "system", "content": SYSTEM_MESSAGE}]
-    records, error, last_token = [], None, None
+    conversation = trikv.mlx.Session(model, tokenizer, method, system=SYSTEM_MESSAGE, **options)
+
+    def check_cap(tokens: int) -> None:
+        held, _ = held_bytes(conversation.cache)
+        bounded = conversation.bounded
+        peak = held if bounded is None else bounded.peak_length * held // max(bounded.length, 1)
+        if cap_bytes is not None and peak > cap_bytes:
+            raise KVCapExceeded(f"the KV cache would hold {peak / 2**20:.2f} MiB after this message's prefill "
+                                f"({tokens} tokens), over the {cap_bytes / 2**20:.2f} MiB limit")
+
+    records, error = [], None
     for index, message in enumerate(session.messages):
-        if index == 0:
-            ids = tokenizer.apply_chat_template(messages + [{"role": "user", "content": message.text}],
-                                                add_generation_prompt=True)
-        else:
-            text = after_last_reply(tokenizer, messages, message.text)
-            ending = tokenizer.decode([last_token]) if last_token in eos else ""
-            if ending and text.startswith(ending):
-                text = text[len(ending):]
-            ids = tokenizer.encode(text, add_special_tokens=False)
-        tokens_before = cache[0].offset
-        started = time.perf_counter()
-        ttft, reply_tokens = None, []
-        for response in mlx_lm.stream_generate(model, tokenizer, ids, max_tokens=max_new_tokens, sampler=sampler,
-                                               prompt_cache=cache, prefill_step_size=trikv.mlx.prefill_step_size(cache)):
-            if ttft is None:
-                ttft = time.perf_counter() - started
-                held, _ = held_bytes(cache)
-                peak = held if bounded is None else bounded.peak_length * held // max(bounded.length, 1)
-                if cap_bytes is not None and peak > cap_bytes:
-                    error = {"message": index, "step": message.step, "tokens": tokens_before + len(ids),
-                             "error": f"the KV cache would hold {peak / 2**20:.2f} MiB after this message's prefill "
-                                      f"({tokens_before + len(ids)} tokens), over the {cap_bytes / 2**20:.2f} MiB limit"}
-                    break
-            reply_tokens.append(response.token)
-        if error is not None:
+        try:
+            turn = conversation.send(message.text, max_new_tokens=max_new_tokens, after_prefill=check_cap)
+        except KVCapExceeded as exceeded:
+            error = {"message": index, "step": message.step, "tokens": conversation.tokens_seen, "error": str(exceeded)}
             break
-        if bounded is not None:
-            bounded.peak_length = bounded.length  # the next message's peak starts from what is held now
-        last_token = reply_tokens[-1]
-        reply = tokenizer.decode([token for token in reply_tokens if token not in eos])
-        messages += [{"role": "user", "content": message.text}, {"role": "assistant", "content": reply}]
-        held, _ = held_bytes(cache)
-        records.append(_record(message, reply, None if references is None else references[index], held_bytes=held,
-                               peak_bytes=max(peak, held), tokens=cache[0].offset, ttft=ttft,
-                               rounds=0 if bounded is None else bounded.rounds))
+        records.append(_record(message, turn.reply, None if references is None else references[index],
+                               held_bytes=turn.held_bytes, peak_bytes=turn.peak_bytes, tokens=turn.tokens_seen,
+                               ttft=turn.seconds_to_first_token, rounds=turn.rounds))
         if progress is not None:
             progress()
     return {"records": records, "error": error}

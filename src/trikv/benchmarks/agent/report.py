@@ -22,16 +22,16 @@ from ..report_pages import command_line, format_commit, page_header
 TITLE = "An agent session past a memory limit"
 
 DISTANCES = ((0, 0, "0 (the chunk just read)"), (1, 2, "1-2"), (3, 5, "3-5"), (6, 10**6, "6+"))
-BACKEND_ORDER = ("transformers", "mlx", "vllm")
+BACKEND_ORDER = ("transformers", "mlx", "vllm", "vllm-stateless")
 
 
 def load_cells(folder: Path) -> dict:
-    """{backend: {method: {seed: result}}} of every cell in folder/cells."""
+    """{backend: {method: {seed: result}}} of every cell in folder/cells (named backend-method-seed)."""
     runs: dict = defaultdict(lambda: defaultdict(dict))
     for path in sorted((folder / "cells").glob("*.json")):
         cell = json.loads(path.read_text())
-        backend, rest = path.stem.split("-", 1)
-        method, seed = rest.rsplit("-", 1)
+        backend = max((b for b in BACKEND_ORDER if path.stem.startswith(b + "-")), key=len)
+        method, seed = path.stem[len(backend) + 1:].rsplit("-", 1)
         runs[backend][method][int(seed)] = cell["result"] | {"settings": cell["settings"]}
     return runs
 
@@ -54,6 +54,10 @@ def _pct(point: float, interval: list[float]) -> str:
     return f"{100 * point:.0f}% [{100 * interval[0]:.0f}, {100 * interval[1]:.0f}]"
 
 
+def _times(value: float) -> str:
+    return "-" if math.isnan(value) else f"x{value:.2f}"
+
+
 def summarise(cells: dict) -> dict:
     """Per method: sessions, completed, failures, answered, accuracy and agreement (with intervals), by distance."""
     seeds = sorted(cells)
@@ -70,7 +74,11 @@ def summarise(cells: dict) -> dict:
     failures = [cells[s]["error"] for s in seeds if cells[s]["error"]]
     peaks = [r["peak_bytes"] for s in seeds for r in records[s]]
     ttft = [r["ttft"] for s in seeds for r in records[s] if r["ttft"] is not None]
+    # vLLM: prompt tokens computed over a whole session, as a multiple of the conversation's final length
+    computed = [sum(r["prompt_tokens"] - r["cached_tokens"] for r in records[s]) / records[s][-1]["tokens"]
+                for s in seeds if records[s] and all(r.get("prompt_tokens") is not None for r in records[s])]
     return {
+        "prefill_computed": float(np.median(computed)) if computed else math.nan,
         "sessions": len(seeds), "completed": len(seeds) - len(failures), "failures": failures,
         "answered": sum(answered), "accuracy": share_with_interval(right, answered),
         "agreement": share_with_interval(agrees, compared), "by_distance": by_distance,
@@ -87,7 +95,7 @@ def _longest(runs: dict) -> int:
 
 
 def _command(backend: str, config: dict) -> str:
-    venv = ".venv-upper/bin/" if backend == "mlx" else ".venv/bin/"
+    venv = ".venv-upper/bin/" if backend == "mlx" else ".venv/bin/"  # MLX and vLLM live in two environments
     return (f"`{venv}trikv bench agent --backends {backend} --model {config['model']} --budget {config['budget']} "
             f"--limit-tokens {config['limit_tokens']} --sessions {config['sessions']} --steps {config['steps']} "
             f"--chunk-tokens {config['chunk_tokens']} --out {{folder}}`")
@@ -153,10 +161,12 @@ def write_report(folders: list[Path] | Path, out: Path) -> Path:
         "methods run at a budget whose bound (budget + divide_length 128 + one prefill chunk of 512) fits the limit.",
         "",
         "**Reference answers**: uncapped full attention on the transformers path (the same weights, greedy); `agrees` "
-        "= the same first line of answer. On vLLM every message is a stateless request: the whole conversation is sent "
-        "again and prefilled again, in chunks with rounds between them when bounded (prefix caching off for every "
-        "engine, the same rule for all), so its time to first token "
-        "grows with the conversation. Intervals are 95% bootstrap intervals over sessions.",
+        "= the same first line of answer. On vLLM every message sends the whole conversation again (the `openai` "
+        "client's chat API). `vllm`: trikv's session reuse (its default) continues the bounded cache the previous "
+        "message left and prefills only the new tokens; `vllm-stateless` (`--no-session-reuse`) prefills the whole "
+        "conversation again, in chunks with rounds between them, so its time to first token grows with the "
+        "conversation. Prefix caching is off for every vLLM engine, full attention's included (the same rule for "
+        "all). Intervals are 95% bootstrap intervals over sessions.",
         "",
     ]
     for index, (folder, config, sessions, runs) in enumerate(settings):
@@ -181,8 +191,8 @@ def _setting_lines(folder: Path, config: dict, sessions: list, runs: dict, figur
         "### Who completes the session",
         "",
         "| backend | method | sessions completed | full attention's failure | peak KV | answers right (vs truth) "
-        "| agrees with uncapped full | median TTFT | TTFT, last message |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| agrees with uncapped full | median TTFT | TTFT, last message | prompt tokens computed / conversation |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     summaries: dict = {}
     for backend in [b for b in BACKEND_ORDER if b in runs]:
@@ -199,7 +209,8 @@ def _setting_lines(folder: Path, config: dict, sessions: list, runs: dict, figur
                 f"| {backend} | {label} | {summary['completed']}/{summary['sessions']} | {failure} | "
                 f"{summary['peak_bytes'] / mib:.1f} MiB | {_pct(*accuracy)} of {summary['answered']} | "
                 f"{_pct(*agreement) if method != 'full-unlimited' else '-'} | {summary['ttft_median']:.2f} s | "
-                f"{summary['ttft_last']:.2f} s |")
+                f"{summary['ttft_last']:.2f} s | "
+                f"{_times(summary['prefill_computed'])} |")
     lines += ["", "Accuracy counts the questions a run answered (a failed session answers none after its failure).",
               "", "### Answers by distance", "",
               "Share of right answers by how many chunks were read after the one asked about, [95% bootstrap interval "
@@ -210,6 +221,14 @@ def _setting_lines(folder: Path, config: dict, sessions: list, runs: dict, figur
         for method, summary in methods.items():
             cells = [f"{_pct(p, ci)} ({n})" for p, ci, n in summary["by_distance"].values()]
             lines.append(f"| {backend} | {method} | " + " | ".join(cells) + " |")
+    ttft_path = _plot_ttft(runs, figures, prefix)
+    lines += ["", "### Time to first token as the conversation grows", "",
+              f"![time to first token per message]({figures.name}/{ttft_path.name})", "",
+              "Each message's time to first token against the tokens of the conversation so far, session by session "
+              "(bounded methods and full attention; the reference run aside). On vLLM with session reuse a message "
+              "prefills only its own tokens on top of the cache the previous message left; stateless, it prefills the "
+              "whole conversation again. The table's last column is the prompt tokens vLLM computed over a whole "
+              "session (`prompt_tokens - cached_tokens` per message) over the conversation's final length.", ""]
     plot_path = _plot(runs, summaries, config, figures, prefix)
     lines += ["", "### KV held per message", "", f"![KV bytes per message]({figures.name}/{plot_path.name})", "",
               "The most K/V bytes each message held (its prefill included), session by session, against the tokens "
@@ -220,6 +239,37 @@ def _setting_lines(folder: Path, config: dict, sessions: list, runs: dict, figur
         lines.append(f"- {backend}: {_command(backend, config).format(folder=folder)}")
     lines += [""]
     return lines
+
+
+def _plot_ttft(runs: dict, figures: Path, prefix: str = "") -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    backends = [b for b in BACKEND_ORDER if b in runs]
+    fig, axes = plt.subplots(1, len(backends), figsize=(4.6 * len(backends), 3.8), squeeze=False, sharey=True)
+    palette = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    colours: dict = {}
+    for axis, backend in zip(axes[0], backends):
+        for method, cells in runs[backend].items():
+            if method == "full-unlimited":
+                continue
+            colour = colours.setdefault(method, "black" if method == "full" else palette[len(colours) % len(palette)])
+            for index, seed in enumerate(sorted(cells)):
+                records = [r for r in cells[seed]["records"] if r["tokens"] is not None and r["ttft"] is not None]
+                axis.plot([r["tokens"] for r in records], [r["ttft"] for r in records], "-", color=colour, alpha=0.7,
+                          lw=1.1, label=method if index == 0 else None)
+        axis.set_title(backend)
+        axis.set_xlabel("tokens in the conversation")
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=7)
+    axes[0][0].set_ylabel("time to first token (s)")
+    fig.tight_layout()
+    path = figures / f"{prefix}ttft_per_message.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def _plot(runs: dict, summaries: dict, config: dict, figures: Path, prefix: str = "") -> Path:
