@@ -454,6 +454,8 @@ EXAMPLES = {
     "bench soak": "trikv bench soak --requests 2000 --url http://127.0.0.1:8000",
     "bench agent": "trikv bench agent --backends transformers,vllm --out runs/agent",
     "bench agent-report": "trikv bench agent-report runs/agent --out docs/agent.md",
+    "bench conversation": "trikv bench conversation --turns 8 --turn-tokens 400 --out runs/conversation/main",
+    "bench conversation-report": "trikv bench conversation-report runs/conversation/main --out docs/sessions.md",
     "bench readme": "trikv bench readme --check",
 }
 
