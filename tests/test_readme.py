@@ -141,6 +141,17 @@ RULES = [
     Rule(r"trikv bench serve-report docs/runs/serve/max-batch-fp8 --out docs/serving-max-batch\.md --title .*",
          expect=("wrote docs/serving-max-batch.md",), files=("docs/serving-max-batch.md",)),
     Rule(r"trikv bench soak --help", expect=("--requests",)),
+    Rule(r"trikv bench conversation .* --out docs/runs/conversation/main", instead="trikv bench conversation --help",
+         venv="vllm", expect=("--concurrent",), recorded="docs/runs/conversation/main/reuse.json",
+         why_not_as_written="~10 minutes of vLLM servers on 2 cores; the run it made is kept in docs/runs/conversation/main, "
+         "whose run files record this command"),
+    Rule(r"trikv bench conversation .* --out docs/runs/conversation/concurrent", instead="trikv bench conversation --help",
+         venv="vllm", expect=("--pool-requests",), recorded="docs/runs/conversation/concurrent/reuse.json",
+         why_not_as_written="~20 minutes of vLLM servers on 2 cores; the run it made is kept in "
+         "docs/runs/conversation/concurrent, whose run files record this command"),
+    # renders the runs kept in the repository: the scratch folder holds a copy of docs/runs/conversation (`scratch`)
+    Rule(r"trikv bench conversation-report docs/runs/conversation/main .*", expect=("wrote docs/sessions.md",),
+         files=("docs/sessions.md",)),
     Rule(r"trikv bench agent --backends .*", instead="trikv bench agent --help", expect=("--limit-tokens",),
          why_not_as_written="an hour of CPU on Qwen2.5-Coder-0.5B; tests/test_agent_bench.py runs its parts at toy size"),
     Rule(r"trikv bench agent-report .*", instead="trikv bench agent-report --help", expect=("usage",),
@@ -182,6 +193,7 @@ def scratch(tmp_path_factory):
     (folder / "three_windows.txt").write_text(SMALL_TEXT[: len(SMALL_TEXT) * 3 // 10])  # ~430 tokens
     # the serving runs the guides' report commands read (a copy: nothing a command writes reaches the repository)
     shutil.copytree(ROOT / "docs" / "runs" / "serve", folder / "docs" / "runs" / "serve")
+    shutil.copytree(ROOT / "docs" / "runs" / "conversation", folder / "docs" / "runs" / "conversation")
     return folder
 
 

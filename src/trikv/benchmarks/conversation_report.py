@@ -153,8 +153,8 @@ def _concurrent_lines(folder: Path, runs: dict) -> list[str]:
              f"The pool holds {first['pool_blocks'] * first['block'] // first['bound']} bounded requests at their bound "
              f"({first['bound']} entries: budget + 128 + a prefill chunk of 512), so kept states must give way to "
              "running requests. Time to first token over every turn of every conversation.", "",
-             "| engine | output tokens/s | TTFT median | TTFT p90 | last turns' TTFT median | whole hits | partial | "
-             "misses | kept states dropped |", "|---|---|---|---|---|---|---|---|---|"]
+             "| engine | output tokens/s | TTFT median | TTFT p90 | last turns' TTFT median | later turns that continued a "
+             "kept state | whole hits | partial | misses | kept states dropped |", "|---|---|---|---|---|---|---|---|---|---|"]
     for engine, run in runs.items():
         turns = [turn for conversation in run["conversations"] for turn in conversation]
         ttft = [turn["ttft"] for turn in turns]
@@ -162,8 +162,11 @@ def _concurrent_lines(folder: Path, runs: dict) -> list[str]:
         output = sum(turn["reply_tokens"] for turn in turns) / run["wall_seconds"]
         sessions = run.get("sessions") or {}
         drops = sessions.get("drops", {})
+        later = len(turns) - len(run["conversations"])  # every turn but each conversation's first
+        continued = (f"{sessions['hits'] + sessions['partial_hits']}/{later} "
+                     f"({100 * (sessions['hits'] + sessions['partial_hits']) / later:.0f}%)" if "hits" in sessions else "-")
         lines.append(f"| {LABELS[engine]} | {output:.1f} | {statistics.median(ttft):.2f} s | "
-                     f"{float(np.percentile(ttft, 90)):.2f} s | {statistics.median(last):.2f} s | "
+                     f"{float(np.percentile(ttft, 90)):.2f} s | {statistics.median(last):.2f} s | {continued} | "
                      f"{sessions.get('hits', '-')} | {sessions.get('partial_hits', '-')} | {sessions.get('misses', '-')} | "
                      + (", ".join(f"{count} {reason}" for reason, count in drops.items()) if drops else "-") + " |")
     lines += ["", "Command:", "", f"`{first['command']}`", ""]

@@ -4,7 +4,8 @@ The README holds marked blocks, `<!-- trikv:NAME -->` ... `<!-- /trikv:NAME -->`
 run files and writes them in place (`--check` only compares, for the test that keeps the README true):
 
 - `saves`: what a bounded cache saves, measured on this machine: KV memory and decode speed at long contexts
-  (`trikv bench speed` runs), the agent session under a memory limit (`trikv bench agent` cells);
+  (`trikv bench speed` runs), a chat's last turn on vLLM (`trikv bench conversation` runs), the agent session under a
+  memory limit (`trikv bench agent` cells);
 - `plot`: the picture beside it, K/V bytes against tokens for full attention and TriAttention
   (docs/readme_files/kv_memory.png, from the memory run and the speed rows);
 - `choose`: which method and budget to start with, from the method registry and the results page's runs.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import json
 import re
+import statistics
 import sys
 from pathlib import Path
 
@@ -64,8 +66,27 @@ def saves_block() -> str:
                  f"{full['tokens_per_second']:.1f} tokens/s | {_mib(tri['kv_bytes_peak'])}, {tri['tokens_per_second']:.1f} "
                  f"tokens/s (x{tri['tokens_per_second'] / full['tokens_per_second']:.2f}, B={budget}) | "
                  "[speed.md](docs/speed.md) |")
+    lines += _conversation_rows()
     lines += _agent_rows()
     return "\n".join(lines) + "\n"
+
+
+def _conversation_rows() -> list[str]:
+    """A chat's last turn on vLLM: time to first token with session reuse, stateless, and full attention with prefix
+    caching (`trikv bench conversation` runs)."""
+    from .conversation_report import load_runs, turn_ttfts
+
+    folder = RUNS / "conversation" / "main"
+    if not folder.is_dir():
+        return []
+    runs = load_runs(folder)
+    if not {"reuse", "stateless", "full-prefix-caching"} <= set(runs):
+        return []
+    last = {engine: statistics.median(turn_ttfts(run)[-1]) for engine, run in runs.items()}
+    first = runs["reuse"]
+    return [f"| a chat on vLLM ({first['model']}), time to first token at turn {first['turns']} of ~{first['turn_tokens']} "
+            f"tokens each | {last['full-prefix-caching']:.2f} s (with prefix caching) | {last['reuse']:.2f} s with session "
+            f"reuse (stateless: {last['stateless']:.2f} s; B={first['budget']}) | [sessions.md](docs/sessions.md) |"]
 
 
 def _agent_rows() -> list[str]:
