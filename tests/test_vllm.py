@@ -1245,7 +1245,9 @@ def test_http_server_streams_a_chat_completion_with_the_bounded_cache(tmp_path):
                     "unknown trikv request setting(s) ['trikv_budgett']": {"vllm_xargs": {"trikv_budgett": 40}},
                     "limits [16, 96] (at least 16": {"vllm_xargs": {"trikv_budget": 8}},
                     "['trikv'] is not a request field: trikv's request settings go inside vllm_xargs": {"trikv": {"budget": 40}},
-                    "['trikv_budget'] is not a request field": {"trikv_budget": 40}}
+                    "['trikv_budget'] is not a request field": {"trikv_budget": 40},
+                    'trikv_session must be "on" or "off", got true': {"vllm_xargs": {"trikv_session": True}},
+                    "trikv_session must be \"on\" or \"off\", got 'maybe'": {"vllm_xargs": {"trikv_session": "maybe"}}}
         for reason, extra_body in refusals.items():
             with pytest.raises(openai.BadRequestError) as refused:
                 client.chat.completions.create(**chat, extra_body=extra_body)
@@ -1261,9 +1263,21 @@ def test_http_server_streams_a_chat_completion_with_the_bounded_cache(tmp_path):
                                          extra_body=full).usage.completion_tokens <= 5
         assert server.poll() is None  # refusals leave the server serving
         assert client.chat.completions.create(**{**chat, "max_tokens": 5}).usage.completion_tokens <= 5
+        # a conversation's second turn, re-sent whole as a chat client does, continues the kept state of its first
+        conversation = [{"role": "user", "content": "Describe the sea at night."}]
+        first = client.chat.completions.create(model="smollm2-135m", messages=conversation, max_tokens=20, temperature=0)
+        conversation += [{"role": "assistant", "content": first.choices[0].message.content},
+                         {"role": "user", "content": "And in the morning?"}]
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/trikv/stats", timeout=30) as response:
+            (before,) = json.loads(response.read())
+        client.chat.completions.create(model="smollm2-135m", messages=conversation, max_tokens=5, temperature=0)
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/trikv/stats", timeout=30) as response:
             (stats,) = json.loads(response.read())
         assert 0 < stats["max_request_blocks"] <= math.ceil((96 + SLACK + 512) / BLOCK)  # at the largest request budget
+        sessions = stats["sessions"]
+        assert sessions["enabled"] and sessions["hits"] + sessions["partial_hits"] == \
+            before["sessions"]["hits"] + before["sessions"]["partial_hits"] + 1
+        assert sessions["kept_now"] >= 1 and sessions["kept_blocks"] >= 1
 
         # `trikv bench soak` in short against this server: mixed prompt and output lengths, a third of the requests
         # closed by the client mid-stream; afterwards GET /trikv/stats shows no per-request state left, every other

@@ -46,13 +46,14 @@ def make_scheduler(blocks: int = 32, prefix_caching: bool = False, **settings) -
 
     kv_cache_manager = SimpleNamespace(
         block_pool=pool, pop_blocks_for_free=pop_blocks_for_free, empty_kv_cache_blocks="empty",
-        coordinator=SimpleNamespace(single_type_managers=[manager]), allocate_slots=None)
+        coordinator=SimpleNamespace(single_type_managers=[manager]), allocate_slots=None,
+        free=lambda request: pool.free_blocks(reversed(pop_blocks_for_free(request))))
     scheduler = TriKVScheduler.__new__(TriKVScheduler)
     scheduler.__dict__.update(
         trikv=BoundedKVSettings(method="streaming", budget=64, divide_length=32, **settings), trikv_offsets={},
         trikv_rounds=0, trikv_blocks_freed=0, _trikv_announced=set(), _trikv_budgets={}, _trikv_block=BLOCK,
         _trikv_rounds_per_step=4, running=[], kv_cache_manager=kv_cache_manager, _trikv_manager=manager,
-        cache_config=SimpleNamespace(enable_prefix_caching=prefix_caching), defer_block_free=False)
+        cache_config=SimpleNamespace(enable_prefix_caching=prefix_caching), defer_block_free=False, trikv_preemptions=0)
     scheduler._init_sessions(max_num_seqs=4)
     return scheduler
 
@@ -171,6 +172,34 @@ def test_an_admission_attaches_the_state_or_leaves_it_intact():
     assert scheduler._trikv_last_round["next"] == (114, 64) and scheduler._trikv_prompts["next"] == 40
     assert scheduler.trikv_sessions.take_changes() == ((), (), {"next": "r"})
     assert scheduler.trikv_sessions.counters.partial_hits == 1
+
+
+def test_a_preempted_continuation_recomputes_from_scratch_and_leaves_no_state(monkeypatch):
+    """A request that continued a kept state (offset 50, the state's kept positions and protected prompt) and is
+    then preempted: its blocks go back to the pool (not kept: they are what the preemption needed), and it forgets
+    its offset, its inherited prompt and its last round, so that its recompute is a stateless request's."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    def preempt(self, request, *args, **kwargs):  # what vLLM's does to the request's blocks and counts
+        request.status = RequestStatus.PREEMPTED
+        self._free_request_blocks(request)
+        request.num_computed_tokens = 0
+
+    monkeypatch.setattr(Scheduler, "_preempt_request", preempt)
+    scheduler = make_scheduler()
+    pool = scheduler.kv_cache_manager.block_pool
+    request, blocks = finished(scheduler, "r", tokens=140, offset=50)
+    scheduler._free_request_blocks(request)
+    waiting, _, _ = _continuation(scheduler, prompt_tokens=300, reuse=130)
+    allocate = scheduler._attach_continuations(lambda *args, **kwargs: "blocks")
+    assert allocate(waiting, 170, num_new_computed_tokens=130) == "blocks"
+    assert scheduler.trikv_offsets["next"] == 50 and scheduler._trikv_prompts["next"] == 40
+    waiting.status, waiting.num_computed_tokens = RequestStatus.RUNNING, 300
+    scheduler._preempt_request(waiting)
+    assert "next" not in scheduler.trikv_offsets and "next" not in scheduler._trikv_prompts
+    assert "next" not in scheduler._trikv_last_round and not scheduler.trikv_sessions.states
+    assert all(block.ref_cnt == 0 for block in blocks) and pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
+    assert scheduler.trikv_preemptions == 1
 
 
 def test_a_kept_state_due_for_a_round_is_compacted_at_the_next_step():
