@@ -479,3 +479,59 @@ def test_the_worker_refuses_the_v2_runner_it_was_given(monkeypatch, no_runner_ch
     given.append(CPUModelRunner.__new__(CPUModelRunner))
     worker.init_device()
     assert isinstance(worker.model_runner, BoundedKVRunner) and isinstance(worker.model_runner, CPUModelRunner)
+
+
+def test_splitting_ops_that_would_capture_attention_in_piecewise_graphs_are_refused():
+    """vLLM adds its attention ops to `splitting_ops` only when the user gives none; a user's list without the
+    attention op (merged by `engine_args`) puts attention inside PIECEWISE graphs, replayed with logical lengths:
+    refused at start-up with the reason. A list with the attention op, none at all, or no graphs pass."""
+    from trikv.vllm.support import ATTENTION_OP, graph_mode_problem
+
+    args = engine_args(method="streaming", budget=64,
+                       compilation_config={"splitting_ops": ["vllm::unified_kv_cache_update"]})
+    assert args["compilation_config"] == {"cudagraph_mode": "PIECEWISE", "splitting_ops": ["vllm::unified_kv_cache_update"]}
+    captured = CompilationConfig(mode=CompilationMode.VLLM_COMPILE, cudagraph_mode=CUDAGraphMode.PIECEWISE,
+                                 splitting_ops=["vllm::unified_kv_cache_update"])
+    problem = graph_mode_problem(captured)
+    assert problem is not None and ATTENTION_OP in problem and "capture attention" in problem
+    settings = BoundedKVSettings.from_config(args["additional_config"])
+    config = _engine_config(**{key: value for key, value in args.items() if key != "compilation_config"})
+    config.compilation_config = captured
+    with pytest.raises(UnsupportedEngineError, match="lacks 'vllm::unified_attention_with_output'"):
+        check_engine_config(config, settings)
+    for fine in (CompilationConfig(mode=CompilationMode.VLLM_COMPILE, cudagraph_mode=CUDAGraphMode.PIECEWISE,
+                                   splitting_ops=[ATTENTION_OP, "vllm::unified_kv_cache_update"]),
+                 CompilationConfig(mode=CompilationMode.VLLM_COMPILE, cudagraph_mode=CUDAGraphMode.PIECEWISE),
+                 CompilationConfig(mode=CompilationMode.VLLM_COMPILE, cudagraph_mode=CUDAGraphMode.NONE,
+                                   splitting_ops=["vllm::unified_kv_cache_update"])):
+        assert graph_mode_problem(fine) is None
+
+
+def test_fp8_keys_are_read_with_per_head_scales():
+    """An fp8 checkpoint with KV scales per attention head (compressed-tensors' "attn_head", which FlashAttention 3
+    reads) gives each layer `_k_scale` [Hkv]: a round reads head h's keys as its bytes x scale[h] (and a chunk of heads
+    with its heads' scales), never the layer's whole scale vector against every head (a broadcast error in the
+    engine). The pages are learnt through a write that stores keys as fp8 bytes, as vLLM's kernels do."""
+    from trikv.vllm.compactor import _heads_scale
+    from trikv.vllm.pages import PageCodec
+
+    fmt, heads, block, dim = torch.float8_e4m3fn, 2, 16, 8
+    cache = torch.zeros(4, heads, block, 2 * dim, dtype=torch.uint8)  # [blocks, Hkv, N, keys | values] bytes
+
+    def write(keys, values, scratch, slots):  # keys, values [n, Hkv, D] already divided by a scale of 1
+        scratch[0, :, slots, :dim] = keys.transpose(0, 1).to(fmt).view(torch.uint8)
+        scratch[0, :, slots, dim:] = values.transpose(0, 1).to(fmt).view(torch.uint8)
+
+    codec = PageCodec.learn(write, cache, heads, block, dim, quantised=fmt, key_dtype=torch.float32)
+    keys = torch.randn(2 * block, heads, dim) * 4  # two blocks of tokens
+    for index, block_id in enumerate((1, 3)):
+        write(keys[index * block : (index + 1) * block], keys[index * block : (index + 1) * block], cache[block_id : block_id + 1],
+              torch.arange(block))
+    table = torch.tensor([[1, 3]])
+    scale = torch.tensor([0.5, 2.0])  # [Hkv]
+    stored = keys.to(fmt).to(torch.float32).transpose(0, 1)[None]  # [1, Hkv, 2N, D] what the bytes decode to
+    read = codec.read_keys(cache, codec.locate(table, cache), scale)
+    assert torch.equal(read, stored * scale.view(1, -1, 1, 1))
+    second = codec.read_keys(cache, codec.locate(table, cache, slice(1, 2)), _heads_scale(scale, slice(1, 2)))
+    assert torch.equal(second, stored[:, 1:] * 2.0)
+    assert torch.equal(codec.read_keys(cache, codec.locate(table, cache), torch.tensor(0.5)), stored * 0.5)  # per layer

@@ -325,7 +325,7 @@ class Compactor:
         dead = positions < 0
         protected = protected_entries(positions, t, prompt, budget, self.policy.recent_window, self.min_decode_room,
                                       self.protect_prompt) & ~dead
-        keys = torch.stack([codec.read_keys(cache, where(codec, cache), scale)
+        keys = torch.stack([codec.read_keys(cache, where(codec, cache), _heads_scale(scale, heads))
                             for codec, cache, scale in zip(codecs[layers], kv_caches[layers], scales[layers])])  # [l, r, h, N, D]
         context = ScoringContext(
             keys=keys,
@@ -348,6 +348,14 @@ class Compactor:
             state[layers, heads] = chosen[:, row]
         for index, (codec, cache) in enumerate(zip(codecs[layers], kv_caches[layers])):
             codec.move(cache, table, order[index], where(codec, cache))  # kept entries into slots [0, budget)
+
+
+def _heads_scale(scale: torch.Tensor | None, heads: slice) -> torch.Tensor | None:
+    """A layer's key scale for the KV heads `heads` of a chunk: the layer's one scale, or its per-head scales [Hkv]
+    (this rank's KV heads) cut to the chunk's."""
+    if scale is None or scale.numel() == 1:
+        return scale
+    return scale.flatten()[heads]
 
 
 def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:

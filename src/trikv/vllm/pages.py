@@ -37,8 +37,9 @@ class PageCodec:
 
     quantised: for an fp8 KV cache (vLLM's `kv_cache_dtype` fp8, fp8_e4m3, fp8_e5m2: uint8 pages), the fp8 format
     its bytes hold; None for a cache of plain floats. A quantised entry is its bytes and the layer's scale (one per
-    layer and tensor, `layer._k_scale`): rounds move the bytes as they are (the scale stays the layer's), and score
-    keys read back as bytes x scale (`read_keys`), what attention reads.
+    layer and tensor, or one per KV head: `layer._k_scale`): rounds move the bytes as they are, never out of their
+    head (the scales stay the layer's), and score keys read back as bytes x scale (`read_keys`), what attention
+    reads.
     """
 
     key_offsets: torch.Tensor
@@ -147,12 +148,16 @@ class PageCodec:
     def read_keys(self, kv_cache: torch.Tensor, located: "Located", scale: torch.Tensor | None = None) -> torch.Tensor:
         """The keys of `located` blocks as a round scores them: [R, h, nb * N, D] in the cache's dtype, or, for an
         fp8 cache, its bytes decoded in their format (float32) times the layer's key scale (`scale`, a device
-        tensor: nothing is read back), which is what attention reads."""
+        tensor: nothing is read back), which is what attention reads: one scale for the layer, or one per KV head
+        of `located` ([h]: a checkpoint whose KV scales are per attention head, compressed-tensors' "attn_head")."""
         keys = located.keys.gather(kv_cache)
         if self.quantised is None:
             return keys
         keys = keys.view(self.quantised).to(torch.float32)
-        return keys if scale is None else keys * scale.to(torch.float32)
+        if scale is None:
+            return keys
+        scale = scale.to(torch.float32)
+        return keys * (scale.view(1, -1, 1, 1) if scale.numel() > 1 else scale)
 
     def key_bytes(self, kv_cache: torch.Tensor) -> int:
         """Bytes per key element a round holds while it scores: the cache's element, plus its float32 decoding for

@@ -64,12 +64,33 @@ def graph_mode_problem(compilation_config) -> str | None:
     trikv gives attention the compacted lengths in metadata built for the step, which only eager attention reads."""
     mode = compilation_config.cudagraph_mode
     if mode is None or not mode.has_full_cudagraphs():
-        return None
+        return _captured_attention_problem(compilation_config)
     return (f"CUDA graph mode {mode.name} replays attention from captured graphs, which read vLLM's own sequence "
             "lengths and block tables (the logical ones): after a compaction a replayed step would attend over freed "
             f"blocks. Use cudagraph_mode={CUDAGRAPH_MODE} (attention runs eagerly between graphs; trikv's "
             f"engine_args, `trikv vllm-args` and `trikv serve` set it: -cc.cudagraph_mode={CUDAGRAPH_MODE}) or "
             "--enforce-eager (no graphs)")
+
+
+ATTENTION_OP = "vllm::unified_attention_with_output"  # the attention of every family trikv bounds (no MLA)
+
+
+def _captured_attention_problem(compilation_config) -> str | None:
+    """Why PIECEWISE graphs would capture attention, or None. vLLM splits its compiled graph at `splitting_ops` and
+    runs those ops eagerly between the captured pieces; it puts the attention ops there itself only when a user gives
+    no `splitting_ops`. A list of the user's own without the attention op captures attention inside a piece, which
+    replays with the sequence lengths it was captured with (the logical ones)."""
+    from vllm.config.compilation import CompilationMode, CUDAGraphMode
+
+    mode = compilation_config.cudagraph_mode
+    ops = compilation_config.splitting_ops
+    if (mode is None or mode == CUDAGraphMode.NONE or compilation_config.mode != CompilationMode.VLLM_COMPILE
+            or ops is None or ATTENTION_OP in ops):
+        return None
+    return (f"compilation_config splitting_ops {list(ops)} lacks {ATTENTION_OP!r}: PIECEWISE CUDA graphs would capture "
+            "attention, which would then replay with vLLM's own (logical) sequence lengths and attend over freed blocks "
+            f"after a compaction. Add {ATTENTION_OP!r} to splitting_ops, or leave splitting_ops unset (vLLM then splits "
+            "at every attention op)")
 
 
 # the speculative methods whose drafts run beside a bounded cache (tested: tests/test_vllm.py, n-gram scenarios)
