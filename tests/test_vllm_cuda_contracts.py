@@ -535,3 +535,136 @@ def test_fp8_keys_are_read_with_per_head_scales():
     second = codec.read_keys(cache, codec.locate(table, cache, slice(1, 2)), _heads_scale(scale, slice(1, 2)))
     assert torch.equal(second, stored[:, 1:] * 2.0)
     assert torch.equal(codec.read_keys(cache, codec.locate(table, cache), torch.tensor(0.5)), stored * 0.5)  # per layer
+
+
+def test_a_backend_that_splits_blocks_into_kernel_blocks_is_learnt_and_compacted_in_kernel_blocks():
+    """Where the attention backend needs blocks smaller than the KV cache manager's (FlashInfer off Blackwell at
+    --block-size 128), vLLM views each layer as kernel blocks ([blocks x k, H, N / k, 2D]: kernel block j of block b
+    at b x k + j, a slot's token where vLLM's KV write puts it). The worker learns the page of one kernel block (not a
+    manager block, which would write past the one-block scratch copy), and a round reads a request's manager blocks as
+    their kernel blocks: with blocks of 32 split in two, a request of 3 blocks (5, 2, 7; 90 tokens) compacted by Knorm
+    (no protection) to 40 keeps the 40 lowest-norm keys of each head, in order, in its first slots, read back through
+    vLLM's own slot arithmetic."""
+    from types import SimpleNamespace
+
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from trikv.policies import make_policy
+    from trikv.vllm.compactor import CompactionOp, Compactor
+    from trikv.vllm.worker import BoundedKVRunner
+
+    from paged import LAYOUTS, layer_views, reference_write
+
+    heads, dim, block, kernel, blocks = 2, 8, 32, 16, 8
+    views = layer_views(LAYOUTS["LBHNC"], 2, blocks * (block // kernel), heads, kernel, dim)
+    spec = FullAttentionSpec(block_size=block, num_kv_heads=heads, head_size=dim, dtype=torch.float32)
+    names = [f"model.layers.{index}.self_attn.attn" for index in range(2)]
+    layers = {name: SimpleNamespace(kv_cache=view, impl=SimpleNamespace(
+        do_kv_cache_update=lambda layer, keys, values, cache, slots: reference_write(keys, values, cache, slots)))
+        for name, view in zip(names, views)}
+    groups = [SimpleNamespace(kernel_block_size=kernel, kernel_block_stride=0, build_metadata=lambda m, ubatch_idx=0, **kw: m)]
+    runner = SimpleNamespace(
+        kv_cache_config=SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec, layer_names=names)]),
+        attn_groups=[groups], compilation_config=SimpleNamespace(static_forward_context=layers), kv_caches=views,
+        cache_config=SimpleNamespace(cache_dtype="auto", kv_cache_layout=None), model_config=SimpleNamespace(dtype=torch.float32))
+    BoundedKVRunner.trikv_learn_pages(runner, (0, 1), heads, dim)
+    assert runner._trikv_kernel_blocks == (2, 2) and all(codec.block_size == kernel for codec in runner._trikv_codecs)
+
+    table, length, budget = [5, 2, 7], 90, 40
+    torch.manual_seed(0)
+    keys = torch.randn(2, length, heads, dim)
+    slots = torch.tensor([table[t // block] * block + t % block for t in range(length)])  # vLLM's slots, manager blocks
+    for layer, view in enumerate(views):
+        reference_write(keys[layer], keys[layer], view, slots)
+    runner.trikv_compactor = Compactor(make_policy("knorm"), protect_prompt=False, min_decode_room=0)
+    runner.requests = {"r": SimpleNamespace(block_ids=(list(table),))}
+    runner._trikv_copy_on_write = lambda rounds: None
+    runner.input_batch = SimpleNamespace(req_id_to_index={})  # the request is not in this step's batch
+    op = CompactionOp(request_id="r", position=length, length=length, budget=budget, prompt_length=0, kept_blocks=2,
+                      freed_blocks=1, free_blocks=0, held_blocks=3)
+    BoundedKVRunner._trikv_rounds(runner, [op])
+    for layer, view in enumerate(views):
+        for head in range(heads):
+            expected = keys[layer, :, head].norm(dim=-1).topk(budget, largest=False).indices.sort().values
+            stored = torch.stack([view[table[slot // block] * 2 + (slot % block) // kernel, head, slot % kernel, :dim]
+                                  for slot in range(budget)])
+            assert torch.equal(stored, keys[layer, expected, head]), (layer, head)
+
+
+def test_vllm_builds_each_microbatchs_metadata_through_the_physical_wrapper():
+    """vLLM 0.32's real `_build_attention_metadata`, on a runner stubbed around it, with two microbatches and a
+    metadata builder that supports `update_block_table` (FlashAttention's does): vLLM caches microbatch 0's metadata
+    under (spec, builder type) and would hand microbatch 1 a copy of it (microbatch 0's sequence lengths) through
+    `update_block_table`. With the full-attention group made physical, each microbatch's metadata is built through
+    trikv's wrapper: its rows' physical lengths (logical less each request's offset)."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    from vllm.v1.worker.ubatch_utils import maybe_create_ubatch_slices
+
+    from trikv.vllm.worker import BoundedKVRunner, _physical_metadata
+
+    class FlashLikeBuilder:
+        supports_update_block_table = True
+
+        def build(self, common_prefix_len, common, **kwargs):
+            return SimpleNamespace(seq_lens=common.seq_lens.clone(), block_table=common.block_table_tensor)
+
+        def update_block_table(self, metadata, block_table, slot_mapping):  # FlashAttention's: the cached lengths stay
+            return SimpleNamespace(seq_lens=metadata.seq_lens, block_table=block_table)
+
+    builders = [FlashLikeBuilder(), FlashLikeBuilder()]
+    group = SimpleNamespace(layer_names=["model.layers.0.self_attn.attn"], metadata_builders=builders,
+                            get_metadata_builder=lambda ubid=0: builders[ubid],
+                            map_to_kernel_block_table=lambda table, ubid=0: table)
+    group.build_metadata = lambda common, ubid=0, **kwargs: group.get_metadata_builder(ubid).build(0, common)
+
+    query = np.array([1, 1, 6, 1])
+    logical = torch.tensor([50, 140, 30, 200], dtype=torch.int32)
+    offsets = torch.tensor([0, 76, 0, 136])
+    tokens = int(query.sum())
+    starts = torch.tensor([0, *np.cumsum(query)], dtype=torch.int32)
+    slices, _ = maybe_create_ubatch_slices(True, query, tokens, 4, 2)
+    assert len(slices) == 2
+
+    class Runner(BoundedKVRunner, GPUModelRunner):
+        def _get_encoder_seq_lens(self, *args, **kwargs):
+            return None, None
+
+    runner = Runner.__new__(Runner)
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.float32)
+    table = SimpleNamespace(get_device_tensor=lambda n: torch.arange(4 * 8, dtype=torch.int32).view(4, 8)[:n])
+    runner.__dict__.update(
+        kv_cache_config=SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec, layer_names=group.layer_names)]),
+        optimistic_seq_lens_cpu=logical.clone(), device=torch.device("cpu"), is_mm_prefix_lm=False,
+        input_batch=SimpleNamespace(block_table=[table], num_computed_tokens_cpu_tensor=logical - torch.tensor(query),
+                                    num_prompt_tokens_cpu_tensor=torch.ones(4, dtype=torch.int32)),
+        model_config=SimpleNamespace(rswa_window=None), cache_config=SimpleNamespace(use_replayssm=False, kv_sharing_fast_prefill=False),
+        query_start_loc=SimpleNamespace(gpu=starts, cpu=starts.clone()), seq_lens=logical.clone(), positions=torch.arange(tokens),
+        dcp_world_size=1, speculative_config=None, attn_groups=[[group]], _trikv_row_offsets=offsets)
+
+    def build():
+        metadata, _ = runner._build_attention_metadata(tokens, 4, int(query.max()), ubatch_slices=slices,
+                                                       slot_mappings={0: torch.arange(tokens)})
+        return [metadata[ubid][group.layer_names[0]].seq_lens.tolist() for ubid in range(2)]
+
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+    from vllm.v1.worker.ubatch_utils import split_attn_metadata
+
+    common = CommonAttentionMetadata(
+        query_start_loc=starts, query_start_loc_cpu=starts.clone(), seq_lens=logical.clone(), num_reqs=4,
+        num_actual_tokens=tokens, max_query_len=int(query.max()), max_seq_len=int(logical.max()),
+        block_table_tensor=torch.arange(4 * 8, dtype=torch.int32).view(4, 8), slot_mapping=torch.arange(tokens),
+        seq_lens_cpu_upper_bound=logical.clone())
+    halves = split_attn_metadata(slices, common)  # each microbatch's logical lengths, as vLLM cuts them
+    expected = [[int(half.seq_lens[i]) - int(offsets[row])
+                 for i, row in enumerate(range(cut.request_slice.start, cut.request_slice.stop))]
+                for half, cut in zip(halves, slices)]
+
+    untouched = build()  # vLLM alone: microbatch 1 gets microbatch 0's metadata back through update_block_table
+    assert untouched[1] == untouched[0] and untouched[1] != [int(half) for half in halves[1].seq_lens]
+    _physical_metadata(group, runner)
+    assert not any(builder.supports_update_block_table for builder in builders)
+    assert build() == expected

@@ -234,12 +234,11 @@ class Compactor:
         block_ids: dict[str, list[int]],
         key_scales: list[torch.Tensor | None] | None = None,
     ) -> None:
-        """Compact every request of `rounds` in place; `block_ids` are each request's blocks before the round (a kept
-        state's round carries its own, `CompactionOp.block_ids`); `key_scales`: for an fp8 cache, each layer's key
-        scale (a device tensor), by which its keys are read."""
+        """Compact every request of `rounds` in place; `block_ids` are each request's blocks before the round, as the
+        layer views address them (the pages `codecs` learnt); `key_scales`: for an fp8 cache, each layer's key scale
+        (a device tensor), by which its keys are read."""
         if not rounds:
             return
-        block_ids = {**block_ids, **{op.request_id: list(op.block_ids) for op in rounds if op.block_ids is not None}}
         started = time.perf_counter()
         block_size = codecs[0].block_size
         device = kv_caches[0].device

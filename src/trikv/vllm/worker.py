@@ -78,6 +78,17 @@ class BoundedKVRunner:
                                f"this model's groups are {kinds}")
         self._trikv_group = full[0]
         spec = groups[self._trikv_group].kv_cache_spec
+        # a backend that needs blocks smaller than the KV cache manager's (FlashInfer off Blackwell at --block-size
+        # 128) gets layer views of kernel blocks: [blocks x k, ...], kernel block j of block b at b x stride + j
+        kernel_sizes = {getattr(attn_group, "kernel_block_size", None) for attn_group in self.attn_groups[self._trikv_group]}
+        if len(kernel_sizes) > 1:
+            raise RuntimeError(f"the full-attention KV cache group's attention backends need different kernel blocks "
+                               f"{sorted(kernel_sizes, key=str)}; trikv reads one page arrangement per group")
+        kernel = kernel_sizes.pop()
+        page_block = kernel or spec.block_size
+        per_block = spec.block_size // page_block
+        stride = next((getattr(g, "kernel_block_stride", 0) for g in self.attn_groups[self._trikv_group]), 0) or per_block
+        self._trikv_kernel_blocks = (per_block, stride)
         names = sorted(groups[self._trikv_group].layer_names, key=extract_layer_index)
         found = tuple(extract_layer_index(name) for name in names)
         if found != tuple(layers):
@@ -101,7 +112,7 @@ class BoundedKVRunner:
                     layer.impl.do_kv_cache_update(layer, keys, values, scratch, slots)
 
                 try:
-                    learnt[key] = PageCodec.learn(write, cache, num_kv_heads, spec.block_size, head_dim, quantised,
+                    learnt[key] = PageCodec.learn(write, cache, num_kv_heads, page_block, head_dim, quantised,
                                                   self.model_config.dtype)
                 except RuntimeError as error:
                     layout = getattr(self.cache_config, "kv_cache_layout", None) or "the backend's own"
@@ -147,7 +158,11 @@ class BoundedKVRunner:
     def _trikv_rounds(self, rounds) -> None:
         group = self._trikv_group
         self._trikv_copy_on_write(rounds)
-        block_ids = {op.request_id: self.requests[op.request_id].block_ids[group] for op in rounds if op.block_ids is None}
+        block_ids = {op.request_id: list(op.block_ids) if op.block_ids is not None  # a kept state's round: its own
+                     else self.requests[op.request_id].block_ids[group] for op in rounds}
+        per_block, stride = getattr(self, "_trikv_kernel_blocks", (1, 1))
+        if per_block > 1:
+            block_ids = {request_id: kernel_block_ids(ids, per_block, stride) for request_id, ids in block_ids.items()}
         self.trikv_compactor.run(rounds, self._trikv_caches, self._trikv_codecs, block_ids, self._trikv_key_scales)
         for op in rounds:
             if op.block_ids is not None:  # a kept state's round: no running request to cut
@@ -213,6 +228,14 @@ class BoundedKVRunner:
         super()._on_request_state_removed(req_id, req_state)
 
 
+def kernel_block_ids(block_ids: list[int], per_block: int, stride: int) -> list[int]:
+    """The kernel blocks of KV cache blocks `block_ids`, in order, where the attention backend splits each block
+    into `per_block` kernel blocks (vLLM's `AttentionGroup.map_to_kernel_block_table`: kernel block j of block b is
+    b x stride + j); the tokens of block b's slot o are at kernel block b x stride + o // kernel size, as vLLM's KV
+    write places them."""
+    return [block * stride + part for block in block_ids for part in range(per_block)]
+
+
 def _physical_metadata(attn_group, runner) -> None:
     """Wrap the metadata building of an attention group of the full-attention KV cache group: a compacted
     request's sequence length there is its physical entry count (logical - offset); the other groups build
@@ -220,8 +243,17 @@ def _physical_metadata(attn_group, runner) -> None:
 
     With microbatching (`--enable-dbo`, `ubatch_size > 1`) vLLM builds each microbatch's metadata from a slice of
     the step's (`split_attn_metadata`): its row i is the step's row `request_slice.start + i`, so the offsets are
-    taken from there (`_microbatch_first_row`), not from the step's first row."""
+    taken from there (`_microbatch_first_row`), not from the step's first row.
+
+    vLLM's `_build_attention_metadata` caches the metadata it built under (KV spec, builder type), with no
+    microbatch index, and hands a builder that `supports_update_block_table` (FlashAttention's) the cached one with
+    another block table instead of building again: microbatch 1 would get microbatch 0's sequence lengths without
+    passing through this wrapper. So this group's builders do not take that shortcut (each builds its own metadata
+    through the wrapper; the shortcut only saves a build for another group of the same spec, which trikv's one
+    full-attention group never has)."""
     build = attn_group.build_metadata
+    for builder in getattr(attn_group, "metadata_builders", ()):
+        builder.supports_update_block_table = False  # an instance attribute, as vLLM's own Mamba builders set it
 
     def build_physical(common_attn_metadata, ubatch_idx: int = 0, *args, **kwargs):
         offsets = getattr(runner, "_trikv_row_offsets", None)
@@ -327,7 +359,8 @@ class TriKVWorker(_PlatformWorker):
             self.model_runner.trikv_learn_pages(shape.cached_layers, len(kv_heads), shape.head_dim)
             runner = self.model_runner
             codec = runner._trikv_codecs[0]
-            entries = request_bound(self.trikv, self.trikv.largest_request_budget, codec.block_size, self.vllm_config)
+            block = codec.block_size * runner._trikv_kernel_blocks[0]  # the KV cache manager's block
+            entries = request_bound(self.trikv, self.trikv.largest_request_budget, block, self.vllm_config)
             check_round_floor(runner.trikv_compactor, runner._trikv_caches[0], codec, len(shape.cached_layers), entries)
 
     def _trikv_compactor(self) -> Compactor:
