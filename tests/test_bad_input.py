@@ -394,6 +394,8 @@ def test_cli_refuses_bad_input_with_a_message(tmp_path, capsys):
     text.write_text("some calibration text")
     rows = tmp_path / "prompts.jsonl"
     rows.write_text('{"prompt": "one"}\n{"question": "two"}\n')
+    (tmp_path / "my-model").mkdir()
+    (tmp_path / "my-model" / "config.json").write_text("{}")  # a model folder the user has, with no statistics
     cases = [
         (["calibrate", "--text", str(text), "--out", str(tmp_path)], "is a directory"),
         (["calibrate", "--text", str(text), "--out", str(tmp_path / "s.safetensors"), "--text-tokens", "-5"], "--text-tokens must be an integer >= 1"),
@@ -403,6 +405,15 @@ def test_cli_refuses_bad_input_with_a_message(tmp_path, capsys):
         (["generate", "--prompt", "hi", "--temperature", "0.6", "--top-p", "1.5"], r"--top-p must be in (0, 1]"),
         (["generate", "--prompt", "hi", "--model", str(tmp_path / "my-model")], "has no bundled ones: pass --stats"),
         (["generate", "--prompt", "hi", "--method", "streaming", "--model", str(tmp_path / "nothing")], "no model folder at"),
+        (["generate", "--prompt", "hi", "--model", str(tmp_path / "nothing")], "no model folder at"),
+        # a mistyped bundled name: an unknown model (with the closest names), not a model without statistics
+        (["generate", "--prompt", "hi", "--model", "smollm3-135m"], "unknown model 'smollm3-135m' (did you mean 'smollm2-135m'?)"),
+        (["chat", "--model", "smollm3-135m"], "unknown model 'smollm3-135m' (did you mean 'smollm2-135m'?)"),
+        # a mistyped option: the subcommand's own usage, and the option it has that is closest
+        (["generate", "--budjet", "64"], "usage: trikv generate"),
+        (["generate", "--budjet", "64"], "unrecognized arguments: --budjet 64; --budjet (did you mean --budget?)"),
+        (["bench", "agent", "--sesions", "2"], "usage: trikv bench agent"),
+        (["bench", "agent", "--sesions", "2"], "(did you mean --sessions?)"),
     ]
     for argv, message in cases:
         code, output = _cli(capsys, *argv)

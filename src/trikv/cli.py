@@ -162,7 +162,7 @@ def cmd_generate(args) -> int:
     from .calibration import load_stats
     from .generation import generate
     from .models import REGISTRY as MODELS
-    from .models import load_model
+    from .models import check_model_name, load_model
     from .policies import REGISTRY
     from .validation import integer, positive, probability
 
@@ -186,6 +186,7 @@ def cmd_generate(args) -> int:
         if value is not None:
             integer(name, value)
     needs_stats = REGISTRY[args.method].needs_stats
+    check_model_name(args.model)  # a mistyped name is an unknown model, not a model without statistics
     if needs_stats and args.stats is None and args.model not in MODELS:
         sys.exit(f"trikv generate: method {args.method!r} needs calibration statistics and {args.model!r} has no "
                  "bundled ones: pass --stats FILE (make one with `trikv calibrate --model ... --text ... --out FILE`)")
@@ -253,7 +254,7 @@ def _add_chat(sub) -> None:
 def cmd_chat(args) -> int:
     from .calibration import load_stats
     from .models import REGISTRY as MODELS
-    from .models import load_model
+    from .models import check_model_name, load_model
     from .policies import REGISTRY
     from .session import Session, full_attention_bytes
     from .validation import integer, positive, probability
@@ -266,6 +267,7 @@ def cmd_chat(args) -> int:
     integer("--prefill-chunk-size", args.prefill_chunk_size, minimum=2)
     sample = check_sampling(args)
     needs_stats = REGISTRY[args.method].needs_stats
+    check_model_name(args.model)  # a mistyped name is an unknown model, not a model without statistics
     if needs_stats and args.stats is None and args.model not in MODELS:
         sys.exit(f"trikv chat: method {args.method!r} needs calibration statistics and {args.model!r} has no bundled "
                  "ones: pass --stats FILE (make one with `trikv calibrate --model ... --text ... --out FILE`)")
@@ -514,12 +516,31 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        _refuse_unknown_options(parser, args, unknown)
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError) as error:  # clear one-line errors for bad input
         print(f"trikv {args.command}: error: {error}", file=sys.stderr)
         return 2
+
+
+def _refuse_unknown_options(parser: argparse.ArgumentParser, args, unknown: list[str]) -> None:
+    """Exit with the usage of the subcommand that was given options it does not know (not the top-level usage),
+    naming the closest option it has for each."""
+    import difflib
+
+    path = tuple(word for word in (getattr(args, "command", None), getattr(args, "bench_command", None)) if word)
+    command = dict(_command_tree(parser)).get(path, parser)
+    known = [flag for action in command._actions for flag in action.option_strings]
+    hints = []
+    for word in unknown:
+        close = difflib.get_close_matches(word.split("=", 1)[0], known, n=1, cutoff=0.6) if word.startswith("-") else []
+        if close:
+            hints.append(f"{word} (did you mean {close[0]}?)")
+    message = f"unrecognized arguments: {' '.join(unknown)}"
+    command.error(message + (f"; {'; '.join(hints)}" if hints else ""))
 
 
 if __name__ == "__main__":

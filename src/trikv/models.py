@@ -226,17 +226,31 @@ def resolve_model_path(name_or_path: str) -> str:
                 elif not current():
                     _refresh_tokenizer(REGISTRY[name_or_path], target)
         return str(target)
+    check_model_name(name_or_path)
+    local = os.path.expanduser(name_or_path)
+    return local if os.path.isdir(local) else name_or_path  # a folder, or a hub id (the local hub cache, or a hub)
+
+
+def check_model_name(name_or_path: str) -> None:
+    """Refuse, before anything loads, a model that is neither a bundled name, a transformers model folder nor a hub id
+    (org/name); a name close to a bundled one is named in the message."""
+    if name_or_path in REGISTRY:
+        return
     local = os.path.expanduser(name_or_path)
     if os.path.isdir(local):
         if not os.path.isfile(os.path.join(local, "config.json")):
             raise ValueError(f"model folder {name_or_path!r} has no config.json: not a transformers model folder")
-        return local
+        return
     if name_or_path.startswith(("/", "./", "../", "~")) or os.path.exists(local):
         raise ValueError(f"no model folder at {name_or_path!r}")
     if "/" in name_or_path:
-        return name_or_path  # a hub id: loaded from the local hub cache, or downloaded where a hub is reachable
+        return
+    import difflib
+
+    close = difflib.get_close_matches(name_or_path, sorted(REGISTRY), n=2, cutoff=0.6)
+    hint = f" (did you mean {' or '.join(repr(name) for name in close)}?)" if close else ""
     raise ValueError(
-        f"unknown model {name_or_path!r}: not a bundled name ({', '.join(sorted(REGISTRY))}), "
+        f"unknown model {name_or_path!r}{hint}: not a bundled name ({', '.join(sorted(REGISTRY))}), "
         "a local folder, or a hub id of the form org/name"
     )
 
