@@ -13,8 +13,6 @@ import json
 import statistics
 from pathlib import Path
 
-import numpy as np
-
 from . import register_bench
 from .report_pages import command_line, format_commit, page_header
 
@@ -147,6 +145,8 @@ def _sequential_lines(folder: Path, runs: dict, figures: Path) -> list[str]:
 
 
 def _concurrent_lines(folder: Path, runs: dict) -> list[str]:
+    import numpy as np
+
     first = next(iter(runs.values()))
     lines = [f"## {first['concurrent']} conversations at once on a pool of {first['pool_blocks']} blocks "
              f"(`{folder.name}`)", "",
@@ -175,6 +175,7 @@ def _concurrent_lines(folder: Path, runs: dict) -> list[str]:
 
 def _plot(runs: dict, figures: Path, prefix: str) -> Path:
     import matplotlib
+    import numpy as np
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
