@@ -313,3 +313,21 @@ def test_a_huge_budget_costs_nothing_until_used():
     bounded = trikv.make_cache(model, "streaming", budget=300, divide_length=50)
     trikv.generate(model, tokenizer, prompt, cache=bounded, max_new_tokens=500, min_new_tokens=500)
     assert bounded.rounds >= 3 and bounded.capacity == 350
+
+
+def test_model_generate_with_past_key_values_alone_keeps_a_3000_token_prompt_under_the_bound():
+    """What a user writes first: `model.generate(**inputs, past_key_values=cache, max_new_tokens=...)` (on
+    transformers 5.24 a deprecated alias of `cache=`, still honoured): a 3,000-token prompt is prefilled in the
+    cache's chunks, so the cache never holds more than budget + divide_length + one chunk, on both ends of the
+    supported transformers range."""
+    import warnings
+
+    model = tiny_model("llama")
+    cache = trikv.make_cache(model, "triattention", budget=64, divide_length=32, prefill_chunk_size=128, stats=tiny_stats(model))
+    prompt = torch.randint(1, 90, (1, 3000), generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # transformers 5.24: past_key_values is now called cache
+        output = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), past_key_values=cache,
+                                max_new_tokens=16, min_new_tokens=16, do_sample=False, pad_token_id=0)
+    assert output.shape[1] == 3016 and cache.get_seq_length() == 3015
+    assert cache.rounds >= 20 and cache.peak_length <= cache.peak_bound == 64 + 32 + 128

@@ -141,22 +141,31 @@ def test_chunk_bounds_never_leave_a_single_token_chunk():
     assert full.chunk_bounds(10_000) == [(0, 10_000)] and full.peak_bound is None
 
 
-def test_model_generate_with_prefill_chunk_size_holds_the_bound_and_a_long_forward_warns():
+def test_model_generate_with_the_cache_alone_holds_the_bound_and_a_long_forward_warns():
+    """model.generate with the cache and nothing else prefills in the cache's chunks (a bounded cache sets the model's
+    generation_config.prefill_chunk_size), so its peak stays within the bound; a user's own prefill_chunk_size is
+    left alone; a forward longer than a chunk, outside generate, runs and warns."""
     model = tiny_model("llama")
     stats = tiny_stats(model)
     prompt = torch.tensor([_prompt(10 * BUDGET)])
     cache = trikv.make_cache(model, "triattention", budget=BUDGET, divide_length=SLACK, prefill_chunk_size=CHUNK, stats=stats)
+    assert model.generation_config.prefill_chunk_size == CHUNK
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the chunked prefill does not warn
         model.generate(prompt, attention_mask=torch.ones_like(prompt), **cache_kwargs(model, cache), max_new_tokens=20,
-                       min_new_tokens=20, do_sample=False, prefill_chunk_size=cache.prefill_chunk_size,
-                       pad_token_id=0)
+                       min_new_tokens=20, do_sample=False, pad_token_id=0)
     assert cache.rounds > 5 and cache.peak_length <= cache.peak_bound
+    larger = trikv.make_cache(model, "streaming", budget=BUDGET, divide_length=SLACK, prefill_chunk_size=2 * CHUNK)
+    assert model.generation_config.prefill_chunk_size == 2 * CHUNK  # follows the latest cache trikv set it for
+    model.generation_config.prefill_chunk_size = 24  # the user's own: kept
+    trikv.make_cache(model, "streaming", budget=BUDGET, divide_length=SLACK, prefill_chunk_size=CHUNK)
+    assert model.generation_config.prefill_chunk_size == 24
+    model.generation_config.prefill_chunk_size = None
     whole = trikv.make_cache(model, "triattention", budget=BUDGET, divide_length=SLACK, prefill_chunk_size=CHUNK, stats=stats)
     with pytest.warns(UserWarning, match=r"a forward of 240 tokens .* prefill_chunk_size=16\) or trikv.generate"):
-        model.generate(prompt, attention_mask=torch.ones_like(prompt), **cache_kwargs(model, whole), max_new_tokens=4,
-                       do_sample=False, pad_token_id=0)
-    assert whole.peak_length == 10 * BUDGET
+        with torch.no_grad():
+            model(input_ids=prompt, **cache_kwargs(model, whole))
+    assert whole.peak_length == 10 * BUDGET and larger.prefill_chunk_size == 2 * CHUNK
 
 
 def test_a_continued_conversation_equals_full_attention_when_nothing_is_evicted():

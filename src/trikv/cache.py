@@ -110,9 +110,10 @@ class CompressedCache(Cache):
         prefill_chunk_size: the most tokens one forward should add (default 512). `trikv.generate` feeds a prompt
             that would take the cache past budget + divide_length in chunks of this size, a round running between
             chunks whenever the cache reaches budget + divide_length, so the cache never holds more than
-            budget + divide_length + prefill_chunk_size entries per (layer, row, KV head). With
-            `model.generate`, pass `prefill_chunk_size=cache.prefill_chunk_size` for the same bound; a longer
-            forward on a bounded cache runs (it holds all its tokens at once) and warns once.
+            budget + divide_length + prefill_chunk_size entries per (layer, row, KV head). `model.generate` does
+            the same with no further argument: a bounded cache sets the model's
+            `generation_config.prefill_chunk_size` to its own (unless the user set one; `chunk_model_generate`).
+            A longer forward on a bounded cache runs (it holds all its tokens at once) and warns once.
         layout: "uniform" (one physical length for every layer and head, `stores.UniformStore`) or "packed"
             (per-(layer, head) lengths, `stores.PackedStore`); default: packed for policies with per-layer /
             per-head budgets (PyramidKV, Ada-KV), uniform otherwise.
@@ -181,6 +182,8 @@ class CompressedCache(Cache):
         self.protect_prompt = protect_prompt
         self.min_decode_room = min_decode_room
         self.prefill_chunk_size = check_prefill_chunk_size(prefill_chunk_size)
+        if budget is not None:
+            chunk_model_generate(model, self.prefill_chunk_size)
         self.store = self._make_store(layout)
         self.layout = self.store.layout
         policy.bind(model, self.shape)
@@ -731,7 +734,33 @@ def _post_forward_hook(module, args, kwargs, output):
     return None
 
 
+_CHUNKS_SET: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # generation config -> the chunk trikv set
+
+
+def chunk_model_generate(model: torch.nn.Module, chunk: int) -> None:
+    """Make `model.generate()` prefill in chunks of `chunk` tokens (transformers' `generation_config.
+    prefill_chunk_size`), so that passing a bounded trikv cache to it is enough to bound a long prompt. A value the
+    user set is left alone; one trikv set follows the latest cache made for the model. transformers splits the
+    prompt from its start; a last chunk of one token then counts as the first decode step (the prompt protected is
+    the tokens before it)."""
+    config = getattr(model, "generation_config", None)
+    if config is None or not hasattr(config, "prefill_chunk_size"):
+        return
+    if config.prefill_chunk_size is None or config.prefill_chunk_size == _CHUNKS_SET.get(config):
+        config.prefill_chunk_size = chunk
+        _CHUNKS_SET[config] = chunk
+
+
 def _pre_forward_hook(module, args, kwargs):
+    given = [kwargs.get(name) for name in ("cache", "past_key_values")]
+    if all(value is not None for value in given) and given[0] is not given[1] and any(
+            isinstance(value, CompressedCache) for value in given):
+        from .compat import cache_argument
+
+        raise TypeError(
+            f"this transformers takes the KV cache as `{cache_argument(module)}=`: a trikv cache passed under the other "
+            "name would be ignored (the model runs on a cache of its own, unbounded); pass it with "
+            "`**trikv.compat.cache_kwargs(model, cache)`")
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
     if isinstance(cache, CompressedCache):
         cache.check_model(module)
