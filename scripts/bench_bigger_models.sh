@@ -82,7 +82,7 @@ fi
 if wants gemma3; then
   needs_ship gemma3
   TRIKV_THREADS=2 python scripts/make_calibration_text.py --model gemma3-270m --count 16 --engine transformers --ship
-  trikv calibrate --model gemma3-270m --text src/trikv/data/calibration/gemma3-270m-math500-traces.txt \
+  trikv calibrate --model gemma3-270m --text-file src/trikv/data/calibration/gemma3-270m-math500-traces.txt \
     --out src/trikv/data/stats/gemma3-270m.safetensors
   python -m trikv.benchmarks.quality.traces --model gemma3-270m --split evaluation --engine transformers \
     --temperature 1.0 --top-k 64 --top-p 0.95 --threads 2 --ship

@@ -35,7 +35,7 @@ if [ ! -s "$out/calibration.txt" ]; then
 fi
 # 2. statistics (float64 sums; 200K tokens of the traces)
 if [ ! -s "$out/stats.safetensors" ]; then
-  trikv calibrate --model "$model" --text "$out/calibration.txt" --out "$out/stats.safetensors" \
+  trikv calibrate --model "$model" --text-file "$out/calibration.txt" --out "$out/stats.safetensors" \
     --text-tokens 200000 --chunk-tokens 4096 --device cuda --dtype bfloat16
 fi
 # 3. accuracy on AIME 2024 + 2025 (the run resumes: rerun the script to continue after an interruption)

@@ -276,7 +276,7 @@ def test_run_analysis_end_to_end_tiny_llama(tmp_path):
 
 
 def test_analyze_command_end_to_end(tmp_path):
-    """`trikv analyze` from a saved model folder (gemma3: sliding layers, per-layer RoPE) with --text files."""
+    """`trikv analyze` from a saved model folder (gemma3: sliding layers, per-layer RoPE) with --text-file files."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -293,7 +293,7 @@ def test_analyze_command_end_to_end(tmp_path):
     a.write_text("the lamp was lit at dusk and out by dawn " * 30)
     b.write_text("def x return y if x else y for x in y " * 30)
     out = tmp_path / "out"
-    code = main(["--model", str(model_dir), "--text", str(a), "--text", str(b), "--out", str(out),
+    code = main(["--model", str(model_dir), "--text-file", str(a), "--text-file", str(b), "--out", str(out),
                  "--text-tokens", "200", "--chunk-tokens", "100", "--distances", "12", "--no-progress", "--skip-sanity-check"])
     assert code == 0
     saved = _check_result_files(out, json.loads((out / "analysis.json").read_text()), L=3, H=4, F=16)
@@ -310,7 +310,7 @@ def test_analyze_command_end_to_end(tmp_path):
     distances = saved["meta"]["distances"]
     assert all(v == (d < 16) for v, d in zip(valid[0], distances)) and all(valid[1])
     assert len(saved["meta"]["rope"]) == 2
-    assert main(["--model", str(model_dir), "--text", str(tmp_path / "missing.txt"), "--out", str(out)]) == 2
+    assert main(["--model", str(model_dir), "--text-file", str(tmp_path / "missing.txt"), "--out", str(out)]) == 2
 
 
 # ---- bundled multi-part models ----------------------------------------------------------------------------

@@ -397,8 +397,8 @@ def test_cli_refuses_bad_input_with_a_message(tmp_path, capsys):
     (tmp_path / "my-model").mkdir()
     (tmp_path / "my-model" / "config.json").write_text("{}")  # a model folder the user has, with no statistics
     cases = [
-        (["calibrate", "--text", str(text), "--out", str(tmp_path)], "is a directory"),
-        (["calibrate", "--text", str(text), "--out", str(tmp_path / "s.safetensors"), "--text-tokens", "-5"], "--text-tokens must be an integer >= 1"),
+        (["calibrate", "--text-file", str(text), "--out", str(tmp_path)], "is a directory"),
+        (["calibrate", "--text-file", str(text), "--out", str(tmp_path / "s.safetensors"), "--text-tokens", "-5"], "--text-tokens must be an integer >= 1"),
         (["generate", "--prompt", ""], "the prompt is empty"),
         (["generate", "--prompt-file", str(rows)], f"{rows}:2: each row needs a \"prompt\" string"),
         (["generate", "--prompt", "hi", "--max-new-tokens", "-5"], "--max-new-tokens must be an integer >= 1"),

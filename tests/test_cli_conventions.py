@@ -18,6 +18,7 @@ RETIRED = {
     "--no-prompt-protection": "--no-protect-prompt",
     "--sample": "--temperature (0 = greedy)",
     "--greedy": "--temperature 0",
+    "--text": "--text-file (a text file; --texts names shipped texts)",
 }
 
 
@@ -69,4 +70,35 @@ def test_every_command_shows_an_example_and_its_defaults():
             if (action.option_strings and action.nargs != 0 and default not in (None, False, argparse.SUPPRESS)
                     and action.dest not in ("help", "version") and "default" not in parser._get_formatter()._get_help_string(action)):
                 problems.append(f"`trikv {' '.join(path)}` {action.option_strings[0]} hides its default {default!r}")
+    assert not problems, "\n".join(problems)
+
+
+GENERATING = ("generate", "chat", "demo")
+# what every command that generates takes, under these names
+GENERATION_OPTIONS = {"--model", "--device", "--dtype", "--stats", "--budget", "--divide-length", "--prefill-chunk-size",
+                      "--max-new-tokens", "--temperature", "--top-p", "--top-k", "--seed", "--engine", "--threads"}
+LOADING = ("calibrate", "analyze", "bench quality", *GENERATING)  # commands that load a model: where and in what dtype
+
+
+def test_every_command_that_generates_takes_the_same_options():
+    """The option sets, not only their names: generate, chat and demo all take the model's placement, the cache's
+    settings and the same sampling options; every command that loads a model takes --device and --dtype; and
+    --engine offers mlx wherever it generates."""
+    options = defaultdict(dict)
+    for command, action in _options():
+        for flag in action.option_strings:
+            options[command][flag] = action
+    problems = []
+    for command in GENERATING:
+        missing = GENERATION_OPTIONS - set(options[command])
+        if missing:
+            problems.append(f"`trikv {command}` lacks {sorted(missing)}")
+        elif "mlx" not in (options[command]["--engine"].choices or ()):
+            problems.append(f"`trikv {command} --engine` offers no mlx")
+    for command in LOADING:
+        for flag in ("--model", "--device", "--dtype"):
+            if flag not in options[command]:
+                problems.append(f"`trikv {command}` lacks {flag}")
+        if "--dtype" in options[command] and set(options[command]["--dtype"].choices or ()) != {"float32", "bfloat16", "float16"}:
+            problems.append(f"`trikv {command} --dtype` offers {options[command]['--dtype'].choices}")
     assert not problems, "\n".join(problems)

@@ -97,7 +97,7 @@ def test_calibrate_command(tmp_path):
     text.write_text("The quick brown fox jumps over the lazy dog. " * 60)
     out = tmp_path / "stats.safetensors"
     result = subprocess.run(
-        [sys.executable, "-m", "trikv.cli", "calibrate", "--model", "smollm2-135m", "--text", str(text), "--out", str(out), "--text-tokens", "256",
+        [sys.executable, "-m", "trikv.cli", "calibrate", "--model", "smollm2-135m", "--text-file", str(text), "--out", str(out), "--text-tokens", "256",
          "--dtype", "bfloat16", "--device", "cpu"],
         capture_output=True, text=True, timeout=600,
     )
@@ -109,7 +109,7 @@ def test_calibrate_command(tmp_path):
 
 
 def test_calibrate_command_reports_missing_file(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "trikv.cli", "calibrate", "--text", str(tmp_path / "nope.txt"), "--out", str(tmp_path / "s")],
+    result = subprocess.run([sys.executable, "-m", "trikv.cli", "calibrate", "--text-file", str(tmp_path / "nope.txt"), "--out", str(tmp_path / "s")],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode != 0 and "no such text file" in result.stderr
 

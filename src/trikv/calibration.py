@@ -343,7 +343,7 @@ def load_stats(name_or_path: str | Path, model: torch.nn.Module | None = None) -
     elif not path.exists():
         raise StatsFileError(
             f"no statistics file at {name_or_path!r} and no bundled stats of that name; "
-            "create one with `trikv calibrate --model M --text FILE --out stats.safetensors`"
+            "create one with `trikv calibrate --model M --text-file FILE --out stats.safetensors`"
         )
     stats = QueryStats.load(path)
     if model is not None:

@@ -14,8 +14,8 @@ from .threads import add_threads_argument, apply_threads
 
 def _add_calibrate(sub) -> None:
     p = sub.add_parser("calibrate", help="compute pre-RoPE query statistics of a model from a text file")
-    p.add_argument("--model", default="smollm2-135m", help="bundled name, local path or hub id")
-    p.add_argument("--text", required=True, help="plain-text file to calibrate on")
+    add_model_arguments(p)
+    p.add_argument("--text-file", required=True, help="plain-text file to calibrate on")
     p.add_argument("--out", required=True, help="output .safetensors file")
     p.add_argument("--text-tokens", type=int, default=50_000, help="use at most this many tokens of the text")
     p.add_argument("--chunk-tokens", type=int, default=2048, help="tokens per forward pass (default 2048)")
@@ -23,9 +23,6 @@ def _add_calibrate(sub) -> None:
     p.add_argument("--all-layers", action="store_true",
                    help="cover every layer (for analysis); by default a hybrid model's statistics cover the "
                         "full-attention layers its cache bounds")
-    p.add_argument("--device", default="cpu", help="where the model runs, e.g. cuda (default cpu)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                   help="model weights' dtype (the statistics are accumulated in float64 whatever it is)")
     p.add_argument("--skip-sanity-check", action="store_true",
                    help="calibrate even if the model does not answer a known prompt sanely (checked by default)")
     add_threads_argument(p)
@@ -43,7 +40,7 @@ def cmd_calibrate(args) -> int:
     integer("--text-tokens", args.text_tokens)
     integer("--chunk-tokens", args.chunk_tokens, minimum=2)
     apply_threads(args.threads, args.device)
-    text_path = Path(args.text)
+    text_path = Path(args.text_file)
     if not text_path.is_file():
         sys.exit(f"trikv calibrate: no such text file: {text_path}")
     out = Path(args.out)
@@ -54,7 +51,7 @@ def cmd_calibrate(args) -> int:
     text = text_path.read_text(encoding="utf-8")
     if not text.strip():
         sys.exit(f"trikv calibrate: {text_path} is empty")
-    model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype), device=args.device)
+    model, tokenizer = load_command_model(args)
     if not args.skip_sanity_check:
         from .sanity import ModelSanityError, check_model_answers
 
@@ -80,7 +77,7 @@ def cmd_calibrate(args) -> int:
 
 def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="generate text with a bounded KV cache")
-    p.add_argument("--model", default="smollm2-135m")
+    add_model_arguments(p)
     p.add_argument("--prompt", help="prompt text (or use --prompt-file)")
     p.add_argument("--prompt-file", help="file with one prompt, or a .jsonl of {'prompt': ...} rows for a batch")
     p.add_argument("--method", default="triattention", help="eviction method (`trikv methods` lists them)")
@@ -88,11 +85,12 @@ def _add_generate(sub) -> None:
                    help=f"KV entries per (layer, KV head) after a round (default {int(DEFAULT_BUDGET)})")
     p.add_argument("--divide-length", type=int, default=None,
                    help=f"slack beta: compress at budget + beta (default {int(DEFAULT_DIVIDE_LENGTH)})")
+    p.add_argument("--prefill-chunk-size", type=int, default=DEFAULT_PREFILL_CHUNK_SIZE,
+                   help="a long prompt is prefilled in chunks of this many tokens, with rounds between them")
     p.add_argument("--stats", help="calibration statistics (default: the bundled stats of --model)")
     p.add_argument("--max-new-tokens", type=int, default=512, help="the longest answer")
     p.add_argument("--min-new-tokens", type=int, default=0, help="end-of-sequence is forbidden before this many tokens")
     add_sampling_arguments(p, temperature=0.0)
-    p.add_argument("--top-k", type=int, default=0, help="with --temperature > 0: keep the k likeliest tokens (0: all)")
     p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     p.add_argument("--json", action="store_true", help="print a JSON record instead of text")
     p.add_argument("--engine", default="auto", choices=["auto", "transformers", "lean", "mlx"],
@@ -104,17 +102,35 @@ def _add_generate(sub) -> None:
     p.set_defaults(func=cmd_generate)
 
 
+def add_model_arguments(parser, default: str = "smollm2-135m") -> None:
+    """--model, --device and --dtype, under the same names and defaults in every command that loads a model."""
+    parser.add_argument("--model", default=default, help="bundled name, local model folder or hub id")
+    parser.add_argument("--device", default="cpu", help="where the model runs, e.g. cuda (the torch engines)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                        help="the model weights' dtype (the torch engines; statistics are accumulated in float64)")
+
+
+def load_command_model(args):
+    """(model, tokenizer) as --model, --device and --dtype say."""
+    import torch
+
+    from .models import load_model
+
+    return load_model(args.model, dtype=getattr(torch, args.dtype), device=args.device)
+
+
 def add_sampling_arguments(parser, temperature: float, top_p: float = 0.95, seed: int = 0) -> None:
-    """--temperature (0 = greedy), --top-p and --seed, under the same names in every command that decodes."""
+    """--temperature (0 = greedy), --top-p, --top-k and --seed, under the same names in every command that decodes."""
     parser.add_argument("--temperature", type=float, default=temperature,
                         help="sampling temperature; 0 decodes greedily (the paper samples at 0.6)")
     parser.add_argument("--top-p", type=float, default=top_p, help="with --temperature > 0: nucleus sampling mass")
+    parser.add_argument("--top-k", type=int, default=0, help="with --temperature > 0: keep the k likeliest tokens (0: all)")
     parser.add_argument("--seed", type=int, default=seed, help="random seed of the sampling")
 
 
 def check_sampling(args) -> bool:
     """True when the arguments ask to sample (temperature > 0), after checking the sampling numbers."""
-    from .validation import positive, probability
+    from .validation import integer, positive, probability
 
     if args.temperature < 0:
         raise ValueError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
@@ -122,6 +138,7 @@ def check_sampling(args) -> bool:
         return False
     positive("--temperature", args.temperature)
     probability("--top-p", args.top_p)
+    integer("--top-k", args.top_k, minimum=0)
     return True
 
 
@@ -181,6 +198,7 @@ def cmd_generate(args) -> int:
     # every number is checked before the model loads
     integer("--max-new-tokens", args.max_new_tokens)
     integer("--min-new-tokens", args.min_new_tokens, minimum=0)
+    integer("--prefill-chunk-size", args.prefill_chunk_size, minimum=2)
     sample = check_sampling(args)
     for name, value in (("--budget", args.budget), ("--divide-length", args.divide_length)):
         if value is not None:
@@ -189,15 +207,17 @@ def cmd_generate(args) -> int:
     check_model_name(args.model)  # a mistyped name is an unknown model, not a model without statistics
     if needs_stats and args.stats is None and args.model not in MODELS:
         sys.exit(f"trikv generate: method {args.method!r} needs calibration statistics and {args.model!r} has no "
-                 "bundled ones: pass --stats FILE (make one with `trikv calibrate --model ... --text ... --out FILE`)")
+                 "bundled ones: pass --stats FILE (make one with `trikv calibrate --model ... --text-file ... --out FILE`)")
     if args.engine == "mlx":
         return _generate_mlx(args, prompts, needs_stats, sample)
     if args.kv_bits is not None:
         sys.exit("trikv generate: --kv-bits is for --engine mlx")
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = load_command_model(args)
     options = {}
     if args.budget is not None:
         options["budget"] = args.budget
+    if REGISTRY[args.method].policy_class.evicts:
+        options["prefill_chunk_size"] = args.prefill_chunk_size
     if needs_stats:
         options["stats"] = load_stats(args.stats or args.model, model)
     result = generate(
@@ -234,7 +254,7 @@ def _add_chat(sub) -> None:
                     "beside what full attention would hold. /reset starts over, /quit (or end of input) ends.",
         epilog="example: trikv chat --budget 512   (or: printf 'Hi\nWhat did I say?\n' | trikv chat)",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", default="smollm2-135m", help="bundled name, local path or hub id")
+    add_model_arguments(p)
     p.add_argument("--method", default="triattention", help="eviction method (`trikv methods` lists them)")
     p.add_argument("--budget", type=int, default=int(DEFAULT_BUDGET), help="KV entries per (layer, KV head) after a round")
     p.add_argument("--divide-length", type=int, default=int(DEFAULT_DIVIDE_LENGTH), help="slack beta: a round at budget + beta")
@@ -254,7 +274,7 @@ def _add_chat(sub) -> None:
 def cmd_chat(args) -> int:
     from .calibration import load_stats
     from .models import REGISTRY as MODELS
-    from .models import check_model_name, load_model
+    from .models import check_model_name
     from .policies import REGISTRY
     from .session import Session, full_attention_bytes
     from .validation import integer, positive, probability
@@ -270,10 +290,11 @@ def cmd_chat(args) -> int:
     check_model_name(args.model)  # a mistyped name is an unknown model, not a model without statistics
     if needs_stats and args.stats is None and args.model not in MODELS:
         sys.exit(f"trikv chat: method {args.method!r} needs calibration statistics and {args.model!r} has no bundled "
-                 "ones: pass --stats FILE (make one with `trikv calibrate --model ... --text ... --out FILE`)")
+                 "ones: pass --stats FILE (make one with `trikv calibrate --model ... --text-file ... --out FILE`)")
     apply_threads(args.threads)
     evicts = REGISTRY[args.method].policy_class.evicts
     if args.engine == "mlx":
+        _torch_options_refused(args, "chat")
         mlx_backend = _import_mlx("chat")
         if args.method != "full" and args.method not in mlx_backend.methods():
             sys.exit(f"trikv chat: method {args.method!r} has no MLX cache; --engine mlx runs full, "
@@ -284,20 +305,21 @@ def cmd_chat(args) -> int:
             options.update(budget=args.budget, divide_length=args.divide_length, prefill_chunk_size=args.prefill_chunk_size)
         session = mlx_backend.Session(model, tokenizer, method=args.method, system=args.system, **options)
         full_bytes = session.full_attention_bytes
-        sampling = dict(temperature=args.temperature, top_p=args.top_p) if sample else {}
+        sampling = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k) if sample else {}
         if sample and args.seed is not None:
             import mlx.core as mx
 
             mx.random.seed(args.seed)
     else:
-        model, tokenizer = load_model(args.model)
+        model, tokenizer = load_command_model(args)
         options = {"stats": load_stats(args.stats or args.model, model)} if needs_stats else {}
         if evicts:
             options.update(budget=args.budget, divide_length=args.divide_length, prefill_chunk_size=args.prefill_chunk_size)
         session = Session(model, tokenizer, method=args.method, system=args.system,
                           engine=resolve_engine(args.engine, model), **options)
         full_bytes = lambda tokens: full_attention_bytes(model, tokens)  # noqa: E731
-        sampling = dict(do_sample=True, temperature=args.temperature, top_p=args.top_p, seed=args.seed) if sample else {}
+        sampling = dict(do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                        seed=args.seed) if sample else {}
     interactive = sys.stdin.isatty()
     bound = getattr(session.cache, "peak_bound", None) if args.engine != "mlx" else (
         None if session.bounded is None else args.budget + args.divide_length + args.prefill_chunk_size)
@@ -328,6 +350,13 @@ def cmd_chat(args) -> int:
     return 0
 
 
+def _torch_options_refused(args, command: str) -> None:
+    """--device and --dtype choose the torch engines' placement: mlx-lm runs its checkpoint on MLX's device."""
+    if args.device != "cpu" or args.dtype != "float32":
+        sys.exit(f"trikv {command}: --device and --dtype are for the torch engines; --engine mlx runs the model in its "
+                 "checkpoint's dtype on MLX's device")
+
+
 def _import_mlx(command: str):
     """trikv.mlx, or exit with how to install MLX."""
     try:
@@ -338,6 +367,7 @@ def _import_mlx(command: str):
 
 
 def _generate_mlx(args, prompts: list[str], needs_stats: bool, sample: bool) -> int:
+    _torch_options_refused(args, "generate")
     mlx_backend = _import_mlx("generate")
     from .mlx.generation import generate as mlx_generate
 
@@ -375,10 +405,12 @@ def _generate_mlx(args, prompts: list[str], needs_stats: bool, sample: bool) -> 
 
 def _add_demo(sub) -> None:
     p = sub.add_parser("demo", help="full attention vs TriAttention on the bundled model, side by side")
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--stats", help="statistics file (default: bundled)")
-    p.add_argument("--budget", type=int, default=256)
-    p.add_argument("--divide-length", type=int, default=int(DEFAULT_DIVIDE_LENGTH))
+    add_model_arguments(p)
+    p.add_argument("--stats", help="calibration statistics (default: the bundled stats of --model)")
+    p.add_argument("--budget", type=int, default=256, help="TriAttention's KV entries per (layer, KV head) after a round")
+    p.add_argument("--divide-length", type=int, default=int(DEFAULT_DIVIDE_LENGTH), help="slack beta: a round at budget + beta")
+    p.add_argument("--prefill-chunk-size", type=int, default=DEFAULT_PREFILL_CHUNK_SIZE,
+                   help="a long prompt is prefilled in chunks of this many tokens, with rounds between them")
     p.add_argument("--max-new-tokens", type=int, default=1500, help="tokens each run generates")
     p.add_argument("--compare-first", type=int, default=None, help="agreement is measured on the first N tokens (default: all)")
     p.add_argument("--prompt", help="override the default prompt")
@@ -388,21 +420,29 @@ def _add_demo(sub) -> None:
                         "the model, transformers for hybrid models; the default)")
     temperature, top_p, seed = DEMO_SAMPLING
     add_sampling_arguments(p, temperature=temperature, top_p=top_p, seed=seed)
+    for action in p._actions:  # the demo's own default, and why
+        if action.dest == "temperature":
+            action.help = (f"sampling temperature; 0 decodes greedily. The demo samples at {temperature} by default: held "
+                           "to 1,500 tokens at lower temperatures the bundled 135M model falls into loops")
     add_threads_argument(p)
     p.set_defaults(func=cmd_demo)
 
 
 def cmd_demo(args) -> int:
     from .demo import DEFAULT_PROMPT, run_demo
+    from .validation import integer
 
     if args.engine == "mlx":
+        _torch_options_refused(args, "demo")
         _import_mlx("demo")
     else:
         apply_threads(args.threads)
+    integer("--prefill-chunk-size", args.prefill_chunk_size, minimum=2)
     sample = check_sampling(args)
     run_demo(args.model, args.stats, args.budget, args.divide_length, args.max_new_tokens, args.prompt or DEFAULT_PROMPT,
              args.compare_first, engine=args.engine, temperature=args.temperature if sample else None, top_p=args.top_p,
-             seed=args.seed)
+             seed=args.seed, top_k=args.top_k, device=args.device, dtype=args.dtype,
+             prefill_chunk_size=args.prefill_chunk_size)
     return 0
 
 
@@ -437,7 +477,7 @@ def _add_analyze(sub) -> None:
 
 # one example per command, shown at the end of its --help
 EXAMPLES = {
-    "calibrate": "trikv calibrate --model smollm2-135m --text my_text.txt --out stats.safetensors",
+    "calibrate": "trikv calibrate --model smollm2-135m --text-file my_text.txt --out stats.safetensors",
     "generate": 'trikv generate --prompt "Prove that sqrt(2) is irrational." --budget 64 --divide-length 32 '
                 "--max-new-tokens 200",
     "chat": "printf 'Name three primes.\\nAnd three more?\\n' | trikv chat --budget 64 --divide-length 32",

@@ -20,7 +20,7 @@ from .calibration import load_stats
 from .lean import LEAN_FAMILIES
 from .generation import GenerationResult
 from .models import DEFAULT_MODEL, load_model
-from .settings import DEFAULT_DIVIDE_LENGTH, DEMO_SAMPLING
+from .settings import DEFAULT_DIVIDE_LENGTH, DEFAULT_PREFILL_CHUNK_SIZE, DEMO_SAMPLING
 
 # Plain prose on one subject after another. The demo holds the bundled 135M model to 1,500 tokens, past the end of
 # its answer (end-of-sequence is forbidden until then). Held there at the paper's T 0.6 (or 0.7, 0.8) it fell into a
@@ -184,9 +184,10 @@ class DemoComparison:
 
 def compare(model, tokenizer, stats, budget: int = 256, divide_length: int = DEFAULT_DIVIDE_LENGTH, new_tokens: int = 1500,
             prompt: str = DEFAULT_PROMPT, compare_first: int | None = None, progress: bool = True, engine: str = "lean",
-            sampling: dict | None = None, layers: str = "layer") -> DemoComparison:
+            sampling: dict | None = None, layers: str = "layer",
+            prefill_chunk_size: int = DEFAULT_PREFILL_CHUNK_SIZE) -> DemoComparison:
     """Full attention and TriAttention on one prompt, decoded interleaved with `engine` ("lean" or "transformers");
-    `sampling` ({"temperature", "top_p", "seed"}; None: greedy)."""
+    `sampling` ({"temperature", "top_p", "seed"}, optionally "top_k"; None: greedy)."""
     from tqdm.auto import tqdm
 
     from .benchmarks.speed.paired import Decoding, interleave
@@ -195,7 +196,7 @@ def compare(model, tokenizer, stats, budget: int = 256, divide_length: int = DEF
     options.update(dict(do_sample=True, **sampling) if sampling else dict(do_sample=False))
     full = Decoding(model, tokenizer, prompt, method="full", **options)
     tri = Decoding(model, tokenizer, prompt, method="triattention", stats=stats, budget=budget, divide_length=divide_length,
-                   **options)
+                   prefill_chunk_size=prefill_chunk_size, **options)
     bar = tqdm(total=2 * new_tokens, desc="decode [full + triattention, interleaved]", unit="tok", disable=not progress)
     started = time.perf_counter()
     interleave([full, tri], on_block=bar.update)
@@ -221,15 +222,22 @@ def run_demo(
     temperature: float | None = DEFAULT_TEMPERATURE,
     top_p: float = DEFAULT_TOP_P,
     seed: int = DEFAULT_SEED,
+    top_k: int = 0,
+    device: str = "cpu",
+    dtype: str = "float32",
+    prefill_chunk_size: int = DEFAULT_PREFILL_CHUNK_SIZE,
 ) -> str:
-    """Print and return the comparison table. `temperature=None` decodes greedily."""
+    """Print and return the comparison table. `temperature=None` decodes greedily; `top_k` (0: all tokens) applies
+    when sampling; `device` / `dtype` place the torch engines' model."""
     sampling = None if temperature is None else {"temperature": temperature, "top_p": top_p, "seed": seed}
+    if sampling is not None and top_k:
+        sampling["top_k"] = top_k
     if engine == "mlx":
         return run_demo_mlx(model_name, stats_path, budget, divide_length, new_tokens, prompt, compare_first, progress,
                             sampling)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     print(f"[trikv demo] loading {model_name} ...", flush=True)
-    model, tokenizer = load_model(model_name)
+    model, tokenizer = load_model(model_name, dtype=getattr(torch, dtype), device=device)
     shape = model_shape(model)
     if engine == "auto":  # the lean engine where it runs the model; transformers' forward for hybrid models
         engine = "lean" if shape.model_type in LEAN_FAMILIES and not shape.is_hybrid else "transformers"
@@ -238,7 +246,7 @@ def run_demo(
     print(f"[trikv demo] engine: {engine}, {torch.get_num_threads()} threads; both runs decoded interleaved, "
           "alternating blocks of steps", flush=True)
     result = compare(model, tokenizer, stats, budget, divide_length, new_tokens, prompt, compare_first, progress, engine,
-                     sampling, "global layer" if shape.is_hybrid else "layer")
+                     sampling, "global layer" if shape.is_hybrid else "layer", prefill_chunk_size=prefill_chunk_size)
     table = result.table
     if shape.is_hybrid:
         table += (f"\n(KV bytes include the {shape.num_layers - len(shape.cached_layers)} sliding-window layers, "
@@ -255,7 +263,8 @@ def run_demo(
 def _decoding(sampling: dict | None) -> str:
     if not sampling:
         return "greedy"
-    return f"sampled, T {sampling['temperature']}, top-p {sampling['top_p']}, seed {sampling['seed']}"
+    top_k = f", top-k {sampling['top_k']}" if sampling.get("top_k") else ""
+    return f"sampled, T {sampling['temperature']}, top-p {sampling['top_p']}{top_k}, seed {sampling['seed']}"
 
 
 def _print_texts(labelled) -> None:

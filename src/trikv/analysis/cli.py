@@ -13,7 +13,7 @@ def add_analyze_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     from ..models import DEFAULT_MODEL
 
     parser.add_argument("--model", default=DEFAULT_MODEL, help=f"bundled name, local folder or hub id (default {DEFAULT_MODEL})")
-    parser.add_argument("--text", action="append", default=None, metavar="FILE",
+    parser.add_argument("--text-file", action="append", default=None, metavar="FILE",
                         help="text file to analyse; repeat for several (default: the shipped prose, code and math texts)")
     parser.add_argument("--out", required=True, metavar="DIR", help="output folder for analysis.json, the PNG plots and report.md")
     parser.add_argument("--head", default=None, metavar="LAYER,HEAD", help="head shown in the scatter plots (default: chosen automatically)")
@@ -54,7 +54,7 @@ def analyze_main(args: argparse.Namespace) -> int:
     from .texts import default_texts, load_text_files
 
     try:
-        texts = load_text_files(args.text) if args.text else default_texts()
+        texts = load_text_files(args.text_file) if args.text_file else default_texts()
         import torch
 
         apply_threads(args.threads, args.device)

@@ -11,7 +11,7 @@ def default_texts() -> dict[str, str]:
     """{name: text} of the texts shipped in trikv/data/analysis_texts (alphabetical)."""
     files = sorted(DEFAULT_TEXTS_DIR.glob("*.txt"))
     if not files:
-        raise FileNotFoundError(f"no default analysis texts in {DEFAULT_TEXTS_DIR}; pass --text FILE")
+        raise FileNotFoundError(f"no default analysis texts in {DEFAULT_TEXTS_DIR}; pass --text-file FILE")
     return {path.stem: path.read_text(encoding="utf-8") for path in files}
 
 

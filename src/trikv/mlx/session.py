@@ -78,7 +78,7 @@ class Session:
             text = text[len(ending):]
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def send(self, message: str, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
+    def send(self, message: str, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
              after_prefill=None) -> Turn:
         """Append `message` as the user's next turn and generate the reply. `after_prefill(tokens)`, when given, is
         called once the message is prefilled (the first token out; `tokens`: the conversation's length), before
@@ -97,7 +97,7 @@ class Session:
         if self.bounded is not None:
             self.bounded.peak_length = self.bounded.length  # this turn's peak starts from what is held now
         for response in mlx_lm.stream_generate(self.model, self.tokenizer, ids, max_tokens=max_new_tokens,
-                                               sampler=make_sampler(temp=temperature, top_p=top_p),
+                                               sampler=make_sampler(temp=temperature, top_p=top_p, top_k=top_k),
                                                prompt_cache=self.cache, prefill_step_size=prefill_step_size(self.cache)):
             if ttft is None:
                 ttft = time.perf_counter() - started
