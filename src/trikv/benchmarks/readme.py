@@ -43,6 +43,12 @@ def _mib(nbytes: float) -> str:
     return f"{nbytes / 2**20:,.0f} MiB" if nbytes >= 10 * 2**20 else f"{nbytes / 2**20:,.1f} MiB"
 
 
+def _context_note(record: dict) -> str:
+    """How a speed run made its contexts, as a row says it: decoding only, over a prefill's KV tiled to the context."""
+    tiled = re.search(r"prefill of (\d+) tokens tiled", record.get("fill", ""))
+    return f" (decoding; the context's KV: a {int(tiled.group(1)):,}-token prefill tiled)" if tiled else " (decoding)"
+
+
 def saves_block() -> str:
     """The table of what trikv saves, from the speed runs and the agent cells."""
     lines = ["| measured on this machine (2 CPU cores, fp32) | full attention | TriAttention | from |",
@@ -53,7 +59,8 @@ def saves_block() -> str:
     full = _row(rows, "full", 8, context)
     budget = min(r["budget"] for r in rows if r["method"] == "triattention" and r["context"] == context)
     tri = _row(rows, "triattention", 8, context, budget)
-    lines.append(f"| KV cache, {model}, 8 sequences at {context:,} tokens | {_mib(full['kv_bytes_peak'])} | "
+    made = _context_note(record)
+    lines.append(f"| KV cache, {model}, 8 sequences at {context:,} tokens{made} | {_mib(full['kv_bytes_peak'])} | "
                  f"{_mib(tri['kv_bytes_peak'])} (B={budget}) | [speed.md](docs/speed.md) |")
     lines.append(f"| decode speed there | {full['tokens_per_second']:.1f} tokens/s | {tri['tokens_per_second']:.1f} "
                  f"tokens/s (x{tri['tokens_per_second'] / full['tokens_per_second']:.1f}) | [speed.md](docs/speed.md) |")
@@ -62,7 +69,7 @@ def saves_block() -> str:
     full = _row(rows, "full", 1, context)
     budget = min(r["budget"] for r in rows if r["method"] == "triattention" and r["context"] == context and r["batch"] == 1)
     tri = _row(rows, "triattention", 1, context, budget)
-    lines.append(f"| one sequence at {context:,} tokens: KV, decode speed | {_mib(full['kv_bytes_peak'])}, "
+    lines.append(f"| one sequence at {context:,} tokens{_context_note(record)}: KV, decode speed | {_mib(full['kv_bytes_peak'])}, "
                  f"{full['tokens_per_second']:.1f} tokens/s | {_mib(tri['kv_bytes_peak'])}, {tri['tokens_per_second']:.1f} "
                  f"tokens/s (x{tri['tokens_per_second'] / full['tokens_per_second']:.2f}, B={budget}) | "
                  "[speed.md](docs/speed.md) |")
@@ -153,19 +160,23 @@ def choose_block() -> str:
     from ..settings import DEFAULT_DIVIDE_LENGTH, DEFAULT_PREFILL_CHUNK_SIZE, key_only_methods
     from .quality.report import load_run, summary_lines
 
-    everywhere = [m for m in key_only_methods() if not m.startswith("triattention-")]
+    from ..policies import REGISTRY
+
+    # the methods that run on every backend and need no statistics (TriAttention's ablations aside)
+    everywhere = [m for m in key_only_methods() if not REGISTRY[m].needs_stats and not m.startswith("triattention")]
     named = [(folder.name, load_run(folder)) for folder in sorted(RUNS.iterdir())
              if (folder / "results.json").is_file() and json.loads((folder / "results.json").read_text()).get("benchmark") == "quality"]
     headline = summary_lines(named)[0] if named else None
+    budgets = sorted({budget for _, record in named for budget in record.get("config", {}).get("budgets", ())})
     slack, chunk = int(DEFAULT_DIVIDE_LENGTH), DEFAULT_PREFILL_CHUNK_SIZE
+    measured = (f"; the results page measures B = {' and '.join(f'{b:,}' for b in budgets)}" if budgets else "")
     lines = [
         f"- **Method**: `triattention` needs calibrated statistics (shipped for every bundled model; `trikv calibrate` "
         f"for yours) and runs on transformers, vLLM and MLX; the other methods that run everywhere need none: "
         f"{', '.join(f'`{m}`' for m in everywhere)}. The attention-based baselines (`snapkv`, `rkv`, `h2o`, ...) run "
         "on transformers only.",
         f"- **Budget**: a request holds at most B + {slack} + {chunk} entries per (layer, KV head) (budget, slack, one "
-        "prefill chunk): pick the largest B whose bound fits your memory; the results page measures B from 128 to "
-        "1,024.",
+        f"prefill chunk): pick the largest B whose bound fits your memory{measured}.",
     ]
     if headline:
         lines.append(f"- **What the results say** ([results.md](docs/results.md)): {headline}")
