@@ -970,6 +970,15 @@ def test_speculative_methods_with_a_kv_cache_of_their_own_are_refused():
     assert "num_speculative_tokens_per_batch_size" in speculation_problem(config("ngram", per_batch=[(1, 8, 4)]))
     assert speculation_problem(config("ngram")) is None and speculation_problem(None) is None
 
+    # the workers start before the scheduler and learn pages from KV cache groups the drafter's layers join: the
+    # worker refuses it first, with the same reason (not a crash while learning pages)
+    from trikv.vllm.worker import TriKVWorker
+
+    worker = TriKVWorker.__new__(TriKVWorker)
+    worker.vllm_config = draft_model
+    with pytest.raises(UnsupportedEngineError, match=r"method 'draft_model' is not supported \(its drafter keeps a KV cache"):
+        worker.init_device()
+
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_page_codec_reads_and_writes_vllm_cpu_pages(dtype):

@@ -42,7 +42,7 @@ from .capacity import BoundedFullAttentionSpec, bounded_kv_cache_specs, request_
 from .compactor import Compactor, StepPlan, request_state_bytes, upload
 from .pages import PageCodec
 from .settings import BoundedKVSettings, SettingsError
-from .support import UnsupportedEngineError, check_model, fp8_format, graph_mode_problem
+from .support import UnsupportedEngineError, check_model, fp8_format, graph_mode_problem, speculation_problem
 
 log = logging.getLogger(__name__)
 
@@ -317,6 +317,9 @@ class TriKVWorker(_PlatformWorker):
         self.trikv = BoundedKVSettings.from_config(self.vllm_config.additional_config)
         if self.trikv is not None:  # workers start before the scheduler: refuse bad settings before loading weights
             check_model(self.vllm_config.model_config.hf_config, self.trikv, self.vllm_config.model_config.model)
+            # a drafter's layers join the KV cache groups the pages are learnt from: refuse it here, with its reason
+            if (speculation := speculation_problem(self.vllm_config.speculative_config)) is not None:
+                raise UnsupportedEngineError(f"trikv cannot run with this vLLM configuration: {speculation}")
         super().init_device()
         if self.trikv is None:
             return
