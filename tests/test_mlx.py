@@ -548,3 +548,30 @@ def test_cli_chats_with_the_mlx_engine(monkeypatch, capsys):
     assert out.count("assistant> ") == 2 and out.count("[KV held: ") == 2 and "rounds so far" in out
     with pytest.raises(SystemExit, match="method 'h2o' has no MLX cache"):
         main(["chat", "--engine", "mlx", "--method", "h2o"])
+
+
+class _Version(tuple):
+    major = property(lambda self: self[0])
+    minor = property(lambda self: self[1])
+
+
+def test_a_missing_mlx_lm_is_named_with_its_python_requirement(monkeypatch, capsys):
+    """mlx-lm needs Python >= 3.11 and `trikv[mlx]` skips it on 3.10: the MLX path says so instead of a bare
+    "No module named 'mlx_lm'", in Python and on the command line."""
+    import sys
+
+    from trikv.cli import main
+    from trikv.mlx.model import require_mlx_lm
+
+    monkeypatch.setitem(sys.modules, "mlx_lm", None)  # `import mlx_lm` fails as where it is not installed
+    monkeypatch.setattr(sys, "version_info", _Version((3, 10, 14, "final", 0)))
+    with pytest.raises(ImportError, match=r"needs mlx-lm, which needs Python >= 3.11 \(this is Python 3.10\)"):
+        require_mlx_lm()
+    with pytest.raises(ImportError, match="needs mlx-lm"):
+        trikv.mlx.load("smollm2-135m")
+    with pytest.raises(SystemExit) as exited:
+        main(["generate", "--engine", "mlx", "--prompt", "hi", "--max-new-tokens", "4"])
+    assert "which needs Python >= 3.11 (this is Python 3.10)" in str(exited.value.code)
+    monkeypatch.setattr(sys, "version_info", _Version((3, 12, 1, "final", 0)))
+    with pytest.raises(ImportError, match=r'needs mlx-lm: pip install "trikv\[mlx\]"'):
+        require_mlx_lm()

@@ -67,7 +67,10 @@ def generate(model, tokenizer, prompts, method: str = "triattention", budget: in
     `mlx_lm.stream_generate`; greedy unless `do_sample` (mlx-lm's sampler: temperature, top-p, top-k). A long prompt
     is fed in chunks of the cache's `prefill_chunk_size` (an option, default 512) with rounds between them."""
     import mlx.core as mx
-    import mlx_lm
+
+    from .model import require_mlx_lm
+
+    mlx_lm = require_mlx_lm()
     from mlx_lm.sample_utils import make_sampler
 
     from . import make_prompt_cache, prefill_step_size

@@ -188,13 +188,31 @@ def rope_overrides(config: dict) -> dict:
     return overrides
 
 
+def require_mlx_lm():
+    """The mlx_lm module, or ImportError saying why it is missing: mlx-lm 0.32 needs Python >= 3.11, and on 3.10
+    `pip install "trikv[mlx]"` installs MLX alone (the extra's marker skips mlx-lm rather than failing)."""
+    import sys
+
+    try:
+        import mlx_lm
+    except ModuleNotFoundError as error:
+        if error.name != "mlx_lm":
+            raise
+        if sys.version_info < (3, 11):
+            raise ImportError(f"trikv's MLX path needs mlx-lm, which needs Python >= 3.11 (this is Python "
+                              f"{sys.version_info.major}.{sys.version_info.minor}): `pip install \"trikv[mlx]\"` "
+                              "installed MLX without it; use Python 3.11 or newer", name="mlx_lm") from None
+        raise ImportError("trikv's MLX path needs mlx-lm: pip install \"trikv[mlx]\"", name="mlx_lm") from None
+    return mlx_lm
+
+
 def load(name_or_path: str):
     """`(model, tokenizer)` from mlx_lm.load, by trikv's bundled name (its converted folder), a local folder or a
     hub id; the RoPE settings of a transformers 5 config are passed on (`rope_overrides`)."""
     import json
     from pathlib import Path
 
-    import mlx_lm
+    mlx_lm = require_mlx_lm()
 
     from ..models import resolve_model_path
 

@@ -83,7 +83,9 @@ class Session:
         """Append `message` as the user's next turn and generate the reply. `after_prefill(tokens)`, when given, is
         called once the message is prefilled (the first token out; `tokens`: the conversation's length), before
         decoding goes on: it may raise to end the turn there (a memory limit the caller enforces)."""
-        import mlx_lm
+        from .model import require_mlx_lm
+
+        mlx_lm = require_mlx_lm()
         from mlx_lm.sample_utils import make_sampler
 
         from . import prefill_step_size
