@@ -361,7 +361,12 @@ def _import_mlx(command: str):
     """trikv.mlx, or exit with how to install MLX."""
     try:
         import trikv.mlx as mlx_backend
+        from trikv.mlx.model import require_mlx_lm
+
+        require_mlx_lm()
     except ImportError as error:
+        if error.name == "mlx_lm" and "Python" in str(error):
+            sys.exit(f"trikv {command}: --engine mlx: {error}")
         sys.exit(f"trikv {command}: --engine mlx needs MLX and mlx-lm ({error.name} is missing): pip install 'trikv[mlx]'")
     return mlx_backend
 
@@ -498,6 +503,8 @@ EXAMPLES = {
     "bench agent-report": "trikv bench agent-report runs/agent --out docs/agent.md",
     "bench conversation": "trikv bench conversation --turns 8 --turn-tokens 400 --out runs/conversation/main",
     "bench conversation-report": "trikv bench conversation-report runs/conversation/main --out docs/sessions.md",
+    "bench calibration-length": "trikv bench calibration-length --model smollm2-135m --out runs/calibration/smollm2-135m",
+    "bench calibration-length-report": "trikv bench calibration-length-report runs/calibration/smollm2-135m --out docs/calibration.md",
     "bench readme": "trikv bench readme --check",
 }
 

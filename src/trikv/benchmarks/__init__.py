@@ -35,6 +35,8 @@ BENCH_MODULES = [
     "trikv.benchmarks.agent.cli",
     "trikv.benchmarks.conversation",
     "trikv.benchmarks.conversation_report",
+    "trikv.benchmarks.calibration_length",
+    "trikv.benchmarks.calibration_length_report",
     "trikv.benchmarks.readme",
 ]
 
