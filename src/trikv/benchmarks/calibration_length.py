@@ -231,7 +231,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--slices", type=int, default=4, help="disjoint slices of the text per length (at most)")
     parser.add_argument("--budget", type=int, default=256)
     parser.add_argument("--divide-length", type=int, default=64)
-    parser.add_argument("--trace-tokens", type=int, default=1536, help="tokens of each trace after its prompt")
+    parser.add_argument("--trace-tokens", type=int, default=2048, help="tokens of each trace after its prompt")
     parser.add_argument("--traces", type=int, default=16, help="reasoning traces fed (the model's evaluation traces)")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--no-progress", action="store_true")
