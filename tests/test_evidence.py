@@ -189,7 +189,7 @@ def _record(kl_rkv: float):
 
 
 def test_opposite_data_give_opposite_sentences():
-    from trikv.benchmarks.quality.report import summary_lines
+    from trikv.benchmarks.quality.pages.summary import summary_lines
 
     worse = summary_lines([("run", _record(+0.02))])
     better = summary_lines([("run", _record(-0.02))])
@@ -207,7 +207,8 @@ def test_opposite_data_give_opposite_sentences():
 
 
 def test_summary_counts_its_verdicts_and_draws_none_from_few_texts_or_an_invalid_trace_set():
-    from trikv.benchmarks.quality.report import MIN_VERDICT_UNITS, summary_lines
+    from trikv.benchmarks.quality.pages.summary import summary_lines
+    from trikv.benchmarks.quality.pages.verdicts import MIN_VERDICT_UNITS
 
     lines = summary_lines([("one", _record(+0.02)), ("two", _record(-0.02)), ("three", _record(0.0))])
     assert lines[0].endswith("In all it leads 1, ties 1 and trails 1 of these 3 comparisons.")
@@ -227,7 +228,7 @@ def test_summary_counts_its_verdicts_and_draws_none_from_few_texts_or_an_invalid
 
 
 def test_summary_sets_each_models_standing_beside_what_differs_between_the_models():
-    from trikv.benchmarks.quality.report import summary_lines
+    from trikv.benchmarks.quality.pages.summary import summary_lines
 
     def model(name, kl_rkv, concentration, parameters):
         record = _record(kl_rkv)
@@ -325,7 +326,7 @@ def test_composition_and_recall_by_kind_carry_intervals():
 
 
 def test_fidelity_page_counts_the_protected_prompts_per_budget():
-    from trikv.benchmarks.quality.report import sections
+    from trikv.benchmarks.quality.pages.tables import sections
 
     record = _record(0.0)
     record["config"].update(budgets=[128, 256], min_decode_room=32)
@@ -343,7 +344,7 @@ def test_fidelity_page_counts_the_protected_prompts_per_budget():
 
 
 def test_preregistered_outcome_is_computed_from_the_run():
-    from trikv.benchmarks.quality.report import preregistration_lines
+    from trikv.benchmarks.quality.pages.preregistration import preregistration_lines
 
     registration = {"candidate": "triattention", "baseline": "rkv", "budget": 128, "dataset": "math500", "run": "held",
                     "registered": "2026-12-03", "hypothesis": "h", "rationale": "r", "command": "c"}
@@ -370,7 +371,7 @@ def test_second_registration_is_read_by_its_rule_and_pooled_with_the_first():
     import json
     from pathlib import Path
 
-    from trikv.benchmarks.quality.report import paired_reading, preregistration_lines, registered_problems, registered_tests
+    from trikv.benchmarks.quality.pages.preregistration import paired_reading, preregistration_lines, registered_problems, registered_tests
 
     tests = registered_tests(json.loads((Path(__file__).parents[1] / "docs" / "preregistration.json").read_text()))
     second = next(test for test in tests if test.get("reading"))
@@ -414,7 +415,7 @@ def test_second_registration_is_read_by_its_rule_and_pooled_with_the_first():
 
 
 def test_an_outcome_whose_run_folder_is_gone_is_quoted_from_the_replaced_page(tmp_path):
-    from trikv.benchmarks.quality.report import preregistration_lines
+    from trikv.benchmarks.quality.pages.preregistration import preregistration_lines
 
     registration = {"candidate": "triattention", "baseline": "rkv", "budget": 128, "dataset": "math500", "run": "held",
                     "registered": "2026-12-03", "hypothesis": "h", "rationale": "r", "command": "c"}
@@ -587,7 +588,7 @@ def test_recall_with_attention_sinks_divides_by_the_keys_mass():
 
 
 def test_dedup_history_is_computed_from_its_weight_sweep(tmp_path):
-    from trikv.benchmarks.quality.report import dedup_history_lines
+    from trikv.benchmarks.quality.pages.preregistration import dedup_history_lines
 
     lines = dedup_history_lines()
     assert "tuned by `python scripts/tune_dedup_weight.py" in lines[0] and "R-KV's 0.0251" in lines[0]
@@ -599,7 +600,7 @@ def test_dedup_history_is_computed_from_its_weight_sweep(tmp_path):
 
 
 def test_scope_is_computed_from_the_runs_and_names_withdrawn_figures():
-    from trikv.benchmarks.quality.report import scope_lines
+    from trikv.benchmarks.quality.pages.summary import scope_lines
 
     record = _record(0.0)
     record["model"] = {"name": "gemma3-270m", "dtype": "torch.float32", "parameters": 268_000_000}
@@ -617,7 +618,7 @@ def test_scope_is_computed_from_the_runs_and_names_withdrawn_figures():
 
 def test_page_lists_every_shipped_trace_set_with_its_headline_verdict(tmp_path, monkeypatch):
     from trikv.benchmarks.quality import traces
-    from trikv.benchmarks.quality.report import shipped_trace_validity
+    from trikv.benchmarks.quality.pages.trace_sets import shipped_trace_validity
 
     monkeypatch.setattr(traces, "TRACES_DIR", tmp_path)
 

@@ -107,4 +107,5 @@ def test_code_files_leave_out_what_a_quality_run_never_imports():
     assert {"cache.py", "policies/triattention.py", "benchmarks/quality/fidelity.py", "benchmarks/quality/runner.py"} <= names
     assert not any(name.startswith(("vllm/", "mlx/", "analysis/", "benchmarks/speed/")) for name in names)
     assert not {"benchmarks/quality/report.py", "cli.py", "demo.py"} & names
+    assert not any(name.startswith("benchmarks/quality/pages/") for name in names)  # the page's sections format only
     assert "benchmarks/quality/cli.py" in names  # what turns the arguments into the run's configuration

@@ -41,9 +41,8 @@ from trikv.calibration import StatsFileError  # noqa: E402
 from trikv.geometry import RopeGeometry  # noqa: E402
 from trikv.mlx.model import read_rope, rope_overrides  # noqa: E402
 from trikv.mlx.scoring import kept_indices  # noqa: E402
-from trikv.policies import ScoringContext, make_policy  # noqa: E402
+from trikv.policies import ScoringContext, key_only_methods, make_policy  # noqa: E402
 from trikv.selection import protected_entries, top_entries  # noqa: E402
-from trikv.settings import key_only_methods  # noqa: E402
 
 pytestmark = [pytest.mark.mlx, pytest.mark.usefixtures("one_thread")]
 METHODS = key_only_methods()

@@ -194,7 +194,7 @@ def test_oracle_keeps_the_keys_that_receive_the_most_future_attention(tiny, fide
 
 
 def test_diagnosis_rank_correlation():
-    from trikv.benchmarks.quality.report import _spearman
+    from trikv.benchmarks.quality.pages.verdicts import _spearman
 
     assert _spearman([0.1, 0.5, 0.9], [3.0, 2.0, 1.0]) == pytest.approx(-1.0)
     assert _spearman([0.1, 0.5, 0.9, 0.7], [1.0, 2.0, 4.0, 3.0]) == pytest.approx(1.0)
@@ -202,7 +202,7 @@ def test_diagnosis_rank_correlation():
 
 
 def test_diagnosis_reads_no_relation_from_fewer_than_eight_layers():
-    from trikv.benchmarks.quality.report import diagnosis
+    from trikv.benchmarks.quality.pages.verdicts import diagnosis
 
     def record(layers):
         cell = lambda total, per_layer: {"64": {"recall": total, "recall_per_layer": per_layer}}
@@ -220,7 +220,7 @@ def test_diagnosis_reads_no_relation_from_fewer_than_eight_layers():
 
 
 def test_diagnosis_names_the_methods_above_the_future_attention_selection_at_each_horizon():
-    from trikv.benchmarks.quality.report import diagnosis
+    from trikv.benchmarks.quality.pages.verdicts import diagnosis
 
     def recall_cell(total, by_horizon):
         return {"recall": total, "by_horizon": {label: {"recall": value, "mass_share": 0.5}
@@ -746,7 +746,7 @@ def test_math_batches_problems_and_decodes_greedily(tokenizer):
 def test_math_run_reports_its_decoding(tokenizer, tmp_path):
     """A math run through the runner: the report names greedy decoding, the batching, the dtype and each cell's
     mean answer length, and the records come from the math task's own grading."""
-    from trikv.benchmarks.quality.report import text_tables
+    from trikv.benchmarks.quality.pages.tables import text_tables
     from trikv.benchmarks.quality.runner import config_from_preset, run_quality
 
     model = tiny_model(vocab_size=len(tokenizer))
@@ -797,7 +797,7 @@ def test_full_attention_is_visible_whatever_the_number_of_budgets():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from trikv.benchmarks.quality.report import _panel
+    from trikv.benchmarks.quality.pages.plots import _panel
 
     figure, ax = plt.subplots()
     _panel(ax, [128], {"full": ([0.43], [None]), "rkv": ([0.28], [[0.2, 0.35]])}, "pass@1", "math")
@@ -818,7 +818,7 @@ def test_sign_test_matches_counting_every_outcome():
     least as uneven as the observed one."""
     import itertools
 
-    from trikv.benchmarks.quality.report import sign_test
+    from trikv.benchmarks.quality.pages.verdicts import sign_test
 
     for wins, losses in ((0, 4), (2, 1), (1, 9), (5, 5), (7, 2), (0, 1), (3, 0)):
         n = wins + losses
@@ -912,7 +912,7 @@ def test_a_greedy_math_run_raises_its_token_cap_answering_again_only_the_answers
     from transformers import AutoTokenizer
 
     from trikv.benchmarks.quality import math_task
-    from trikv.benchmarks.quality.report import text_tables
+    from trikv.benchmarks.quality.pages.tables import text_tables
     from trikv.benchmarks.quality.runner import config_from_preset, run_quality
     from trikv.generation import generate
     from trikv.models import resolve_model_path
@@ -1053,7 +1053,7 @@ def test_math_problems_chosen_by_id_are_answered_in_dataset_order(tokenizer, tmp
 
     from trikv.benchmarks.quality.cli import add_quality_arguments, config_from_args
     from trikv.benchmarks.quality.math_task import DATASETS_DIR
-    from trikv.benchmarks.quality.report import text_tables
+    from trikv.benchmarks.quality.pages.tables import text_tables
     from trikv.benchmarks.quality.runner import run_quality
 
     parser = argparse.ArgumentParser()
@@ -1072,7 +1072,7 @@ def test_math_problems_chosen_by_id_are_answered_in_dataset_order(tokenizer, tmp
 
 
 def test_consecutive_problem_ids_are_written_as_ranges():
-    from trikv.benchmarks.quality.report import _id_ranges
+    from trikv.benchmarks.quality.pages.tables import _id_ranges
 
     ids = [f"math500-{i}" for i in range(300, 400)] + ["math500-7", "math500-3", "aime25-2", "aime25-3", "aime24-4"]
     assert _id_ranges(ids) == "math500-300..math500-399, math500-7, math500-3, aime25-2..aime25-3, aime24-4"
@@ -1154,7 +1154,7 @@ def test_prefill_task_compares_compaction_while_prefilling_with_compaction_after
     chunk, rounds inside the prompt) and prefilled whole (peak the prompt, the first round after it); the page's
     paired difference is the difference of the two pooled KLs, read by its interval."""
     from trikv.benchmarks.quality.intervals import paired_fidelity_difference
-    from trikv.benchmarks.quality.report import sections
+    from trikv.benchmarks.quality.pages.tables import sections
     from trikv.benchmarks.quality.runner import config_from_preset, run_quality
 
     model = tiny_model(vocab_size=len(tokenizer))

@@ -74,7 +74,7 @@ def test_a_run_without_fingerprint_is_unrecorded_at_best(shipped):
 
 # ---- registered cells -----------------------------------------------------------------------------------------
 def test_every_registered_cell_is_listed_as_run_or_not_run_with_its_cost():
-    from trikv.benchmarks.quality.report import registered_cell_lines
+    from trikv.benchmarks.quality.pages.preregistration import registered_cell_lines
 
     test = {"dataset": "math500", "rows": [[0, 3]], "methods": ["full", "triattention", "rkv"], "budget": 128,
             "secondary_budget": 256, "secondary_budget_note": "after B = 128"}
@@ -109,7 +109,8 @@ def _cell(kl, diff=None):
 
 
 def test_summary_opens_on_the_published_baselines_and_keeps_variants_apart():
-    from trikv.benchmarks.quality.report import method_role, summary_lines
+    from trikv.benchmarks.quality.pages.summary import summary_lines
+    from trikv.benchmarks.quality.pages.verdicts import method_role
 
     assert [method_role(m) for m in ("full", "triattention", "triattention-dedup", "rkv-importance-only", "streaming")] == [
         "reference", "triattention", "variant", "baseline ablation", "published"]
@@ -191,7 +192,7 @@ def test_a_concentration_threshold_is_named_only_where_the_data_separate():
 
 
 def test_traces_near_a_threshold_are_named(tmp_path, monkeypatch):
-    from trikv.benchmarks.quality.report import near_threshold_traces
+    from trikv.benchmarks.quality.pages.trace_sets import near_threshold_traces
     from trikv.benchmarks.quality.validity import MAX_REPEAT_SHARE, MIN_MASKED_COMPRESSION
 
     monkeypatch.setattr(traces, "TRACES_DIR", tmp_path)

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from trikv.policies import key_only_methods
 from trikv.settings import (DEFAULT_BUDGET, DEFAULT_DIVIDE_LENGTH, DEFAULT_MIN_DECODE_ROOM, DEFAULT_ROUND_WORKSPACE_BYTES,
-                            CacheSettings, is_default, key_only_methods)
+                            CacheSettings, is_default)
 
 SOURCE = Path(__file__).resolve().parents[1] / "src" / "trikv"
 DEFAULTS = {"budget": int(DEFAULT_BUDGET), "divide_length": int(DEFAULT_DIVIDE_LENGTH),

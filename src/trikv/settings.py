@@ -65,28 +65,6 @@ def peak_entries_bound(budget: int, divide_length: int, prefill_chunk_size: int)
     return budget + divide_length + prefill_chunk_size
 
 
-def scores_keys_only(policy_class) -> bool:
-    """A method whose round needs nothing but the stored keys and their positions: no observed queries, per-step
-    statistics, rewritten values, per-head budgets or token ids, and a row's scores depend on that row alone.
-    These run in every backend (transformers, vLLM, MLX)."""
-    return (
-        policy_class.evicts
-        and getattr(policy_class, "query_window", 0) == 0
-        and not policy_class.observes
-        and not policy_class.compacts
-        and not policy_class.variable_budgets
-        and not policy_class.needs_tokens
-        and policy_class.scores_rows_independently
-    )
-
-
-def key_only_methods() -> list[str]:
-    """Registered methods that score stored keys only (`scores_keys_only`), in registry order."""
-    from .policies import REGISTRY
-
-    return [name for name, entry in REGISTRY.items() if scores_keys_only(entry.policy_class)]
-
-
 @dataclass(frozen=True)
 class CacheSettings:
     """One bounded cache's settings, validated when made (ValueError naming the setting).
@@ -154,7 +132,7 @@ class CacheSettings:
     @property
     def keys_only(self) -> bool:
         """The method scores stored keys only (it runs in every backend)."""
-        from .policies import REGISTRY
+        from .policies import REGISTRY, scores_keys_only
 
         return scores_keys_only(REGISTRY[self.method].policy_class)
 

@@ -157,10 +157,11 @@ def plot_block(write: bool = True) -> str:
 def choose_block() -> str:
     """Which method and budget to start with: from the registry (what each needs, where it runs) and the results
     page's runs (TriAttention against the published baselines on the headline metric)."""
-    from ..settings import DEFAULT_DIVIDE_LENGTH, DEFAULT_PREFILL_CHUNK_SIZE, key_only_methods
-    from .quality.report import load_run, summary_lines
+    from ..settings import DEFAULT_DIVIDE_LENGTH, DEFAULT_PREFILL_CHUNK_SIZE
+    from .quality.pages.summary import summary_lines
+    from .quality.report import load_run
 
-    from ..policies import REGISTRY
+    from ..policies import REGISTRY, key_only_methods
 
     # the methods that run on every backend and need no statistics (TriAttention's ablations aside)
     everywhere = [m for m in key_only_methods() if not REGISTRY[m].needs_stats and not m.startswith("triattention")]

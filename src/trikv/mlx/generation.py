@@ -73,7 +73,7 @@ def generate(model, tokenizer, prompts, method: str = "triattention", budget: in
     mlx_lm = require_mlx_lm()
     from mlx_lm.sample_utils import make_sampler
 
-    from . import make_prompt_cache, prefill_step_size
+    from .prompt_cache import make_prompt_cache, prefill_step_size
 
     if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
         prompts = [prompts]

@@ -26,7 +26,7 @@ class Session:
 
     def __init__(self, model, tokenizer, method: str = "triattention", budget: int | None = DEFAULT_BUDGET, stats=None,
                  divide_length: int = DEFAULT_DIVIDE_LENGTH, system: str | None = None, **options):
-        from . import bounded_cache, make_prompt_cache
+        from .prompt_cache import bounded_cache, make_prompt_cache
 
         self.model, self.tokenizer, self.method, self.system = model, tokenizer, method, system
         if stats is not None:
@@ -60,7 +60,7 @@ class Session:
 
     def reset(self) -> None:
         """Forget the conversation (a new, empty cache)."""
-        from . import bounded_cache, make_prompt_cache
+        from .prompt_cache import bounded_cache, make_prompt_cache
 
         self.cache = make_prompt_cache(self.model, self.method, **self._options)
         self.bounded = bounded_cache(self.cache) if self.method != "full" else None
@@ -88,7 +88,7 @@ class Session:
         mlx_lm = require_mlx_lm()
         from mlx_lm.sample_utils import make_sampler
 
-        from . import prefill_step_size
+        from .prompt_cache import prefill_step_size
         from .generation import held_bytes
 
         if not isinstance(message, str) or not message:

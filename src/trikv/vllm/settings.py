@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
 
-from ..policies import REGISTRY, Policy
+from ..policies import REGISTRY, Policy, scores_keys_only
 from ..settings import (DEFAULT_BUDGET, DEFAULT_DIVIDE_LENGTH, DEFAULT_METHOD, DEFAULT_MIN_DECODE_ROOM, DEFAULT_PREFILL_CHUNK_SIZE,
-                        DEFAULT_ROUND_WORKSPACE_BYTES, CacheSettings, check_recent_window, peak_entries_bound, scores_keys_only)
+                        DEFAULT_ROUND_WORKSPACE_BYTES, CacheSettings, check_recent_window, peak_entries_bound)
 
 CONFIG_KEY = "trikv"
 # the per-request choice, in `SamplingParams.extra_args` (OpenAI API: `extra_body={"vllm_xargs": {...}}`)

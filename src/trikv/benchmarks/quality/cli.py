@@ -130,7 +130,7 @@ def quality_main(args) -> int:
     started = time.perf_counter()
     record = run_quality(config, args.out, model=model, tokenizer=tokenizer, fresh=args.fresh, progress=not args.no_progress,
                          reuse_unrecorded=args.reuse_unrecorded)
-    from .report import text_tables
+    from .pages.tables import text_tables
 
     print(text_tables(record))
     print(f"results in {args.out}/ (results.json, results.csv, *.png); {time.perf_counter() - started:.0f} s")

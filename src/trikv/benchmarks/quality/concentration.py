@@ -21,6 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .pages.verdicts import interval_verdict
+
 BASELINES = ("rkv", "snapkv")  # attention-based methods: they rank keys by the recent queries' attention
 REFERENCE = "triattention"
 
@@ -87,11 +89,9 @@ def collect(named_records: list[tuple[str, dict]], usable: dict[str, bool]) -> d
 
 
 def _kl_verdict(record: dict, baseline: str, budget: str) -> str | None:
-    from .report import _verdict
-
     cell = (record["results"].get("fidelity", {}).get("methods", {}).get(baseline) or {}).get(budget) or {}
     comparison = (cell.get("vs_triattention") or {}).get("compressed", {}).get("kl")
-    return _verdict(comparison, higher_is_better=False)
+    return interval_verdict(comparison, higher_is_better=False)
 
 
 def concentration_lines(named_records: list[tuple[str, dict]], usable: dict[str, bool], shipped_models: list[str]) -> list[str]:

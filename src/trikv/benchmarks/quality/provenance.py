@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .hashing import file_sha256
+
 CURRENT, UNRECORDED, SUPERSEDED = "current", "unrecorded", "superseded"
 
 
@@ -64,8 +66,6 @@ def shipped_fidelity_inputs(record: dict) -> dict | None:
 
 def stats_match(record: dict) -> bool | None:
     """Whether the run's statistics file is the one trikv ships for its model (None: not a shipped file, or none)."""
-    from .runner import file_sha256
-
     recorded = (record.get("stats") or {}).get("sha256")
     if not recorded or record["config"].get("stats"):
         return None

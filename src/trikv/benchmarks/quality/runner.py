@@ -31,6 +31,7 @@ import torch
 
 from ...selection import prompt_fits
 from ...settings import DEFAULT_DIVIDE_LENGTH, DEFAULT_MIN_DECODE_ROOM
+from .hashing import file_sha256
 
 TASKS = ("fidelity", "dfs", "needle", "math", "prefill")
 FORMAT = "trikv-bench-quality/1"
@@ -239,25 +240,17 @@ def model_fingerprint(model: torch.nn.Module) -> str:
     return digest.hexdigest()
 
 
-def file_sha256(path: str | Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while block := handle.read(1 << 22):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 # ---- what produced a cell ----------------------------------------------------------------------------
 PACKAGE_DIR = Path(__file__).resolve().parents[2]
 # package sources a quality run never imports (other engines and benchmarks, the analysis tools, the demo), that only
 # dispatch commands (the command lines) or measure memory (the speed benchmark's machine module), or that only format
-# the figures after they are computed (the report, its provenance and concentration sections); every other .py file
-# of the package is part of a cell's code
+# the figures after they are computed (the report, its page sections, its provenance and concentration sections);
+# every other .py file of the package is part of a cell's code
 CODE_EXCLUDED = ("vllm/", "mlx/", "analysis/", "benchmarks/agent/", "benchmarks/mlx/", "benchmarks/serving",
                  "benchmarks/speed/", "benchmarks/soak.py", "benchmarks/gpu_check.py", "benchmarks/compaction_timing.py",
                  "benchmarks/speed_report.py", "benchmarks/report_pages.py", "benchmarks/quality/report.py",
-                 "benchmarks/quality/provenance.py", "benchmarks/quality/concentration.py", "demo.py", "cli.py",
-                 "__main__.py")
+                 "benchmarks/quality/pages/", "benchmarks/quality/provenance.py", "benchmarks/quality/concentration.py",
+                 "demo.py", "cli.py", "__main__.py")
 # the fingerprint fields a finished cell must share with the run to be reused (`commit` only says where the code
 # came from: the code itself is compared by its content)
 MATCHED = ("inputs_sha256", "texts_sha256", "model_sha256", "tokenizer_sha256", "stats_sha256", "code_sha256",
@@ -1055,7 +1048,8 @@ class QualityRun:
 
 
 def write_outputs(record: dict, out: Path) -> None:
-    from .report import csv_rows, plot_run, text_tables
+    from .pages.plots import plot_run
+    from .pages.tables import csv_rows, text_tables
 
     out = Path(out)
     (out / "results.json").write_text(json.dumps(record, indent=1, default=_json_default))
