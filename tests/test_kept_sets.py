@@ -124,6 +124,28 @@ def mean_similarity_reference(keys, positions, threshold) -> torch.Tensor:
     return out
 
 
+def random_reference(positions, seed: int) -> torch.Tensor:
+    """[L, Hkv, N] random eviction's scores, one entry at a time in Python integers: the position permuted within
+    [0, 2^24) by three rounds of (multiply by an odd constant, xor-shift) after an xor with the (seed, layer, KV
+    head) key, the key being the same permutation of seed * 65537 + layer * 953 + head * 97 + 6017513."""
+    mask = (1 << 24) - 1
+
+    def permute(x: int) -> int:
+        for multiplier, shift in ((10368885, 12), (2890557, 11), (3837701, 13)):
+            x = (x * multiplier) % (1 << 24)
+            x ^= x >> shift
+        return x
+
+    L, Hkv, N = positions.shape
+    out = torch.zeros(L, Hkv, N, dtype=torch.float64)
+    for layer in range(L):
+        for head in range(Hkv):
+            key = permute((seed * 65537 + layer * 953 + head * 97 + 6017513) & mask)
+            for n in range(N):
+                out[layer, head, n] = permute((max(int(positions[layer, head, n]), 0) & mask) ^ key)
+    return out
+
+
 def expected_scores(method, options, cache, stats, geometry, keys, positions, t, prompt_length, queries=None,
                     query_positions=None):
     """[L, Hkv, N] the method's ranking of the stored entries: protected +inf, dead -inf; keep the top-B."""
@@ -165,6 +187,8 @@ def expected_scores(method, options, cache, stats, geometry, keys, positions, t,
         score = positions.double().masked_fill(positions < 4, float("inf"))
     elif method == "knorm":
         score = -keys.double().norm(dim=-1)
+    elif method == "random":
+        score = random_reference(positions, seed=0)
     else:
         raise AssertionError(method)
     score = score.masked_fill(protected, float("inf")).masked_fill(~live, float("-inf"))
@@ -185,7 +209,7 @@ def _union(z, candidates, protected, live):
     return score.masked_fill(protected, float("inf")).masked_fill(~live, float("-inf"))
 
 
-METHODS = [name for name in REGISTRY if name.startswith("triattention")] + ["streaming", "knorm"]
+METHODS = [name for name in REGISTRY if name.startswith("triattention")] + ["streaming", "knorm", "random"]
 # windows that leave room for selection within the budget of 24
 SMALL_WINDOW = {"triattention-window": {"window_size": 6}, "triattention-recent": {"recent_window": 6},
                 "triattention-dedup": {"recent_window": 6}}
@@ -262,3 +286,32 @@ def _check_kept_sets(model, method, prompt_length: int = PROMPT, chunk: int | No
         boundaries = [t for t in checked if t < prompt_length]
         assert len(boundaries) >= prompt_length // chunk - 2 and all(t % chunk == 0 for t in boundaries)
         assert any(t > prompt_length for t in checked)
+
+
+def test_random_eviction_is_a_seeded_uniform_permutation_and_scores_the_same_in_parts():
+    """Random eviction's scores of one (layer, KV head) are distinct (a permutation of positions: no ties), its kept half
+    sits at mean position about N/2 and two heads keep about half the same entries (uniform and independent), another
+    seed keeps other entries; a part of the model (the layers and KV heads a vLLM round scores at a time) scores its
+    entries as the whole model does."""
+    from trikv.policies import make_policy
+    from trikv.policies.base import ScoringContext
+
+    N = 4096
+    positions = torch.arange(N).expand(4, 1, 3, N)  # [L, b, Hkv, N]
+    context = ScoringContext(keys=torch.zeros(4, 1, 3, N, 2), values=None, positions=positions,
+                             candidates=torch.ones(4, 1, 3, N, dtype=torch.bool), current_position=torch.tensor([N]),
+                             budget=N // 2)
+    policy = make_policy("random")
+    scores = policy.score(context)
+    assert all(scores[l, 0, h].unique().numel() == N for l in range(4) for h in range(3))
+    kept = scores.topk(N // 2, dim=-1).indices  # [L, 1, Hkv, N/2]
+    assert abs(kept.float().mean().item() - N / 2) < 0.02 * N
+    halves = [set(kept[l, 0, h].tolist()) for l in range(4) for h in range(3)]
+    overlaps = [len(a & b) / (N // 2) for i, a in enumerate(halves) for b in halves[i + 1:]]
+    assert all(0.45 < overlap < 0.55 for overlap in overlaps), overlaps
+    other = make_policy("random", seed=1).score(context)
+    assert 0.45 < len(set(other.topk(N // 2, dim=-1).indices[0, 0, 0].tolist()) & halves[0]) / (N // 2) < 0.55
+    part = policy.for_layers(slice(1, 3)).for_heads(slice(2, 3))
+    sub = ScoringContext(keys=context.keys[1:3, :, 2:3], values=None, positions=positions[1:3, :, 2:3],
+                         candidates=context.candidates[1:3, :, 2:3], current_position=context.current_position, budget=N // 2)
+    assert torch.equal(part.score(sub), scores[1:3, :, 2:3])

@@ -15,7 +15,8 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from ..policies import KnormPress, StreamingLLM, TriAttention
+from ..policies import KnormPress, RandomEviction, StreamingLLM, TriAttention
+from ..policies.random_eviction import head_key, random_scores
 from ..policies.tri_dedup import TriAttentionDedup
 
 
@@ -159,6 +160,20 @@ class KnormScorer:
         return -mx.linalg.norm(keys.astype(mx.float32), axis=-1)
 
 
+class RandomScorer:
+    """Random eviction: the keyed permutation of positions of `trikv.policies.random_eviction`, in NumPy (the same
+    integers as the torch path)."""
+
+    def __init__(self, policy: RandomEviction):
+        self.policy = policy
+
+    def score(self, keys, positions, candidates, t, budget) -> mx.array:
+        L, _, Hkv, _ = positions.shape
+        heads = np.array([[head_key(self.policy.seed, layer, head) for head in range(Hkv)] for layer in range(L)],
+                         dtype=np.int64)[:, None, :, None]
+        return mx.array(random_scores(np.maximum(np.array(positions, dtype=np.int64), 0), heads).astype(np.float32))
+
+
 def make_scorer(policy):
     """The MLX scorer of a bound key-only policy (TriAttention's family, StreamingLLM, KnormPress)."""
     if isinstance(policy, TriAttention):
@@ -167,6 +182,8 @@ def make_scorer(policy):
         return StreamingScorer(policy)
     if isinstance(policy, KnormPress):
         return KnormScorer(policy)
+    if isinstance(policy, RandomEviction):
+        return RandomScorer(policy)
     raise ValueError(f"method {policy.name!r} has no MLX scorer")
 
 

@@ -16,6 +16,7 @@ from .knorm import KnormPress
 from .lazy_eviction import LazyEviction
 from .pyramidkv import PyramidKV
 from .raas import RaaS
+from .random_eviction import RandomEviction
 from .rkv import RKV
 from .rpc import RPC
 from .snapkv import DECODE_PORT, SnapKV
@@ -35,6 +36,7 @@ class PolicyEntry:
     policy_class: type[Policy]
     preset: dict = field(default_factory=dict)
     note: str = ""
+    source: str = ""  # where the rule comes from, where that is not its class's paper (a variant of trikv's own)
 
     @property
     def rule(self) -> str:
@@ -48,8 +50,8 @@ class PolicyEntry:
 REGISTRY: dict[str, PolicyEntry] = {}
 
 
-def register(name: str, policy_class: type[Policy], note: str = "", **preset) -> None:
-    REGISTRY[name] = PolicyEntry(name, policy_class, preset, note)
+def register(name: str, policy_class: type[Policy], note: str = "", source: str = "", **preset) -> None:
+    REGISTRY[name] = PolicyEntry(name, policy_class, preset, note, source)
 
 
 register("full", FullAttention)
@@ -64,7 +66,8 @@ register("triattention-union", TriAttention, "reference global mode: union of ev
 # beyond the paper: statistics for long horizons + the recent queries' attention for short ones
 register("triattention-window", TriAttentionWindow)
 register("triattention-recent", TriAttention, "triattention + the 32 most recent tokens protected (triattention-window's "
-         "window without its attention term)", recent_window=32)
+         "window without its attention term)", source="trikv's own variant of TriAttention (the paper protects no recent "
+         "window)", recent_window=32)
 # beyond the paper: the statistics' ranking + R-KV's penalty on near-duplicate keys (repeated lines)
 register("triattention-dedup", TriAttentionDedup)
 register("triattention-dedup-only", TriAttentionDedup, "ablation: triattention-dedup's redundancy term without its recent window",
@@ -79,6 +82,8 @@ register("pyramidkv", PyramidKV)
 register("adakv", AdaKV)
 register("tova", TOVA)
 register("knorm", KnormPress)
+# the control: what any eviction at the same budget keeps
+register("random", RandomEviction)
 register("rkv", RKV)
 register("rkv-importance-only", RKV, "ablation: R-KV's pooled window attention alone (λ = 1, no redundancy term); "
          "the same rule as snapkv-decode", mix_lambda=1.0)
@@ -152,7 +157,9 @@ def methods_markdown() -> str:
              "| method | rule | from | statistics | backends |", "|---|---|---|---|---|"]
     for name, entry in REGISTRY.items():
         paper = entry.policy_class.paper or "-"
-        if entry.preset and entry.policy_class.paper and not entry.policy_class.paper.startswith("trikv"):
+        if entry.source:
+            paper = entry.source
+        elif entry.preset and entry.policy_class.paper and not entry.policy_class.paper.startswith("trikv"):
             paper = f"variant of {paper.split(',')[0]}'s method" if entry.note.startswith(("ablation", "reference", "SnapKV's")) else paper
         backends = ("transformers, vLLM, MLX" if name in everywhere else
                     "every backend (its own cache)" if not entry.policy_class.evicts else "transformers")
@@ -189,6 +196,7 @@ __all__ = [
     "AdaKV",
     "TOVA",
     "KnormPress",
+    "RandomEviction",
     "RKV",
     "LazyEviction",
     "RaaS",
