@@ -53,7 +53,8 @@ def make_scheduler(blocks: int = 32, prefix_caching: bool = False, **settings) -
         trikv=BoundedKVSettings(method="streaming", budget=64, divide_length=32, **settings), trikv_offsets={},
         trikv_rounds=0, trikv_blocks_freed=0, _trikv_announced=set(), _trikv_budgets={}, _trikv_block=BLOCK,
         _trikv_rounds_per_step=4, running=[], kv_cache_manager=kv_cache_manager, _trikv_manager=manager,
-        cache_config=SimpleNamespace(enable_prefix_caching=prefix_caching), defer_block_free=False, trikv_preemptions=0)
+        cache_config=SimpleNamespace(enable_prefix_caching=prefix_caching), defer_block_free=False, trikv_preemptions=0,
+        _trikv_round_waits=set())
     scheduler._init_sessions(max_num_seqs=4)
     return scheduler
 
@@ -235,6 +236,25 @@ def test_no_last_prefill_chunk_of_one_token():
     assert scheduler._reserve_prefill_lookahead(request, 200, 101) == 99  # leaves 2, not 1
     request.num_tokens = 302
     assert scheduler._reserve_prefill_lookahead(request, 200, 102) == 100
+
+
+def test_a_prefill_whose_round_waits_for_a_copy_gets_no_chunk(monkeypatch):
+    """A prefilling request due for its round whose first blocks are shared and cannot be copied (the pool is full)
+    waits for its round, and no prefill chunk is granted meanwhile (it would land on an uncompacted cache, past the
+    bound); once the copy is possible the round runs and the next chunk is granted."""
+    scheduler = make_scheduler(prefill_chunk_size=100)
+    scheduler.__dict__.update(_trikv_chunk=100, num_prefill_lookahead=0, _trikv_last_round={}, _trikv_prompts={})
+    request = SimpleNamespace(request_id="r", num_tokens=400, num_computed_tokens=100, num_prompt_tokens=400,
+                              status=RequestStatus.RUNNING, sampling_params=SimpleNamespace(extra_args=None))
+    scheduler.running = [request]
+    scheduler._trikv_manager.req_to_blocks["r"] = list(scheduler.kv_cache_manager.block_pool.get_new_blocks(7))
+    monkeypatch.setattr(scheduler, "_private_kept_blocks", lambda request_id, kept: None)  # no block to copy into
+    assert scheduler._start_rounds() == []
+    assert scheduler._reserve_prefill_lookahead(request, 100, 300) == 0
+    monkeypatch.setattr(scheduler, "_private_kept_blocks", lambda request_id, kept: [])  # nothing shared
+    (op,) = scheduler._start_rounds()
+    assert (op.request_id, op.length, op.budget) == ("r", 100, 64) and scheduler.trikv_offsets["r"] == 36
+    assert scheduler._reserve_prefill_lookahead(request, 100, 300) == 100
 
 
 def test_reset_prefix_cache_drops_every_kept_state(monkeypatch):

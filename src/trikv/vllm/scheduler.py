@@ -161,6 +161,7 @@ class TriKVScheduler(SessionReuse, Scheduler):
         self._trikv_rounds_per_step = self.trikv.rounds_per_step(vllm_config.scheduler_config.max_num_seqs)
         # the most tokens one full-attention request can hold in this pool (prompt and output)
         self._trikv_full_capacity = self._largest_request_fitting(self.kv_cache_manager.block_pool.num_gpu_blocks - 1)
+        self._trikv_round_waits: set[str] = set()  # requests due whose round did not start this step
         count_physical(self._trikv_manager, self.trikv_offsets, self._admission_cap)
         never_cache_compacted(self._trikv_manager, self.trikv_offsets)  # prefix caching: only uncompacted KV is hashed
         self._init_sessions(vllm_config.scheduler_config.max_num_seqs)
@@ -248,6 +249,7 @@ class TriKVScheduler(SessionReuse, Scheduler):
             if budget is not None and length >= settings.round_trigger(budget):
                 due.append((request, budget, length))
         chosen = self._spread(due)
+        self._trikv_round_waits = {request.request_id for request, _, _ in due}
         due_states = self._pin_due_states()  # kept states due for their round (session reuse)
         # copy-on-write for every round of the step before any block goes back to the pool, so that no fresh block
         # is one a round of this step still reads
@@ -259,6 +261,7 @@ class TriKVScheduler(SessionReuse, Scheduler):
                 log.warning("trikv: request %s waits for its round: its first blocks are shared with another request "
                             "and the pool has no free block to copy them to", request.request_id)
                 continue
+            self._trikv_round_waits.discard(request.request_id)
             computed = request.num_computed_tokens
             kept_blocks = -(-budget // self._trikv_block)
             blocks = self._trikv_manager.req_to_blocks[request.request_id]
@@ -406,6 +409,8 @@ class TriKVScheduler(SessionReuse, Scheduler):
             return max(known, min(num_new_tokens, trigger - physical))
         if physical + known <= trigger:
             return num_new_tokens
+        if request.request_id in self._trikv_round_waits:
+            return 0  # its round waits for a block to copy into: a chunk now would land on an uncompacted cache
         step = min(num_new_tokens, self._trikv_chunk)
         if step == self._trikv_chunk and known - step == 1 and step > 1:
             return step - 1  # no last chunk of one token (the transformers path's `chunk_bounds`)
