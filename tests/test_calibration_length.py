@@ -99,12 +99,12 @@ def test_enough_is_the_smallest_length_whose_every_slice_stays_within_tolerance_
 
 @pytest.mark.real_model
 def test_calibration_length_run_and_page(tmp_path):
-    """`trikv bench calibration-length` at a toy size on the bundled model (two lengths, two slices each, two traces),
+    """`trikv bench calibration-length` at a toy size on the bundled model (two lengths, two slices each, one trace),
     then its page: the page's figures are the run file's."""
     out = tmp_path / "run"
     done = subprocess.run([sys.executable, "-m", "trikv", "bench", "calibration-length", "--model", "smollm2-135m",
-                           "--tokens", "1024,2048", "--slices", "2", "--traces", "2", "--trace-tokens", "192",
-                           "--budget", "128", "--divide-length", "32", "--threads", "1", "--no-progress", "--out", str(out)],
+                           "--tokens", "1024,2048", "--slices", "2", "--traces", "1", "--trace-tokens", "128",
+                           "--budget", "192", "--divide-length", "32", "--threads", "1", "--no-progress", "--out", str(out)],
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     run = json.loads((out / "calibration.json").read_text())

@@ -238,7 +238,8 @@ def test_a_workspace_below_the_rounds_floor_is_refused_at_start_up():
 
 def test_the_kept_positions_of_running_requests_are_counted_in_the_reservation():
     """What a compacted request keeps on the device between rounds is its kept positions, int32: 2 MiB per request at
-    8B shapes and B = 2048; the worker takes the workspace plus max_num_seqs of them off vLLM's KV pool."""
+    8B shapes and B = 2048; the worker takes the workspace plus max_num_seqs of them off vLLM's KV pool, and as many
+    again for the states session reuse keeps (max_kept_sessions when set; none with reuse off)."""
     from types import SimpleNamespace
 
     from trikv.benchmarks.gpu_check import model_config
@@ -250,12 +251,17 @@ def test_the_kept_positions_of_running_requests_are_counted_in_the_reservation()
     settings = BoundedKVSettings(method="streaming", budget=2048, max_request_budget=4096)
     vllm_config = SimpleNamespace(model_config=SimpleNamespace(hf_config=model_config(small=False)),
                                   scheduler_config=SimpleNamespace(max_num_seqs=256))
-    assert trikv_reserved_bytes(settings, vllm_config, kv_heads=4) == CAP + 256 * request_state_bytes(32, 4, 4096)
+    state = request_state_bytes(32, 4, 4096)
+    assert trikv_reserved_bytes(settings, vllm_config, kv_heads=4) == CAP + (256 + 256) * state
+    kept_16 = BoundedKVSettings(method="streaming", budget=2048, max_request_budget=4096, max_kept_sessions=16)
+    assert trikv_reserved_bytes(kept_16, vllm_config, kv_heads=4) == CAP + (256 + 16) * state
+    no_reuse = BoundedKVSettings(method="streaming", budget=2048, max_request_budget=4096, session_reuse=False)
+    assert trikv_reserved_bytes(no_reuse, vllm_config, kv_heads=4) == CAP + 256 * state
 
 
 def test_the_worker_takes_the_reservation_off_the_pool_on_accelerators_only(monkeypatch):
     """`TriKVWorker.determine_available_memory` on an accelerator: vLLM's measured KV space less the workspace and
-    256 requests' kept positions at 8B shapes (2 MiB each at B = 2048); on CPU (vLLM's KV space is a fixed setting
+    256 requests' and 256 kept sessions' positions at 8B shapes (2 MiB each at B = 2048); on CPU (vLLM's KV space is a fixed setting
     there) vLLM's figure as it is. vLLM's own profiling is stubbed to a known figure and the platform switched, so
     the accelerator branch runs on this machine."""
     from types import SimpleNamespace
@@ -271,6 +277,6 @@ def test_the_worker_takes_the_reservation_off_the_pool_on_accelerators_only(monk
     worker.trikv = BoundedKVSettings(method="streaming", budget=2048)
     worker.vllm_config = SimpleNamespace(model_config=SimpleNamespace(hf_config=model_config(small=False)),
                                          scheduler_config=SimpleNamespace(max_num_seqs=256))
-    for is_cpu, expected in ((False, measured - CAP - 256 * 2 * 2**20), (True, measured)):
+    for is_cpu, expected in ((False, measured - CAP - 512 * 2 * 2**20), (True, measured)):
         monkeypatch.setattr(worker_module, "current_platform", SimpleNamespace(is_cpu=lambda is_cpu=is_cpu: is_cpu))
         assert worker.determine_available_memory() == expected

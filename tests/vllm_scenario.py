@@ -55,8 +55,10 @@ def main(pairs: list[tuple[str, str]]) -> None:
     if specs[0].get("in_process", True):  # engine core and worker in this process: starts in seconds; the plugin code is the same
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     for spec, (_, result_path) in zip(specs, pairs):
+        started = time.perf_counter()
         try:
             result = run(spec)
+            result["seconds"] = time.perf_counter() - started  # the whole run: start-up, batches, shut-down
         except Exception:
             result = {"error": traceback.format_exc()}
             print(result["error"], file=sys.stderr, flush=True)

@@ -21,10 +21,12 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from . import register_bench
+
+if TYPE_CHECKING:  # torch loads inside the functions: `trikv --help` stays instant
+    import torch
 
 BLOCK_TOKENS = 1024
 DEFAULT_SIZES = (1, 2, 5, 10, 20, 50)  # in blocks of 1,024 tokens: 1K ... 50K
@@ -47,6 +49,7 @@ class BlockSums:
     """Query sums of every block of `BLOCK_TOKENS` tokens of a text, from one forward per block."""
 
     def __init__(self, model, token_ids: torch.Tensor, progress: bool = True):
+        import torch
         from tqdm.auto import tqdm
 
         from ..architectures import model_shape
@@ -92,6 +95,8 @@ class BlockSums:
 def held_after_rounds(evict_time: torch.Tensor, round_times: list[int]) -> torch.Tensor:
     """[R, L, b, Hkv, T] bool: the entries a cache held right after each compression round, from its eviction log
     (evict_time [L, b, Hkv, T]: the first token index whose forward no longer saw key j; T = never)."""
+    import torch
+
     T = evict_time.shape[-1]
     times = torch.tensor(round_times, dtype=evict_time.dtype).view(-1, 1, 1, 1, 1)  # [R, 1, 1, 1, 1]
     keys = torch.arange(T, dtype=evict_time.dtype)
@@ -148,6 +153,7 @@ def _summary(metrics: dict) -> dict:
 def measure(model, tokenizer, model_name: str, sizes: list[int], slices: int, budget: int, divide_length: int,
             trace_tokens: int, traces: int, out: Path, progress: bool = True, log=print, command: str | None = None) -> dict:
     """Run every cell and write `out/calibration.json`; returns what it wrote."""
+    import torch
     from tqdm.auto import tqdm
 
     from ..cache import make_cache
