@@ -16,7 +16,7 @@ from stats_fixtures import tiny_stats
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-DEMO_TEST_TOKENS = 640  # the default texts' first tokens (a sampled text's prefix does not depend on its length)
+DEMO_TEST_TOKENS = 512  # the validity rule's least length (a sampled text's prefix does not depend on its length)
 
 
 class _CharTokenizer:

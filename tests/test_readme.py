@@ -14,11 +14,13 @@ reads); the repository's scripts (`bash scripts/...`) run from the repository ro
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -83,17 +85,26 @@ RULES = [
     Rule(r"bash scripts/setup\.sh --with-vllm", timeout=900),
     Rule(r"trikv serve --budget 2048", append="--dry-run", venv="vllm", expect=("trikv.vllm.launch serve", "--scheduler-cls")),
     Rule(r"trikv vllm-args .*", venv="vllm", expect=("--worker-cls", "--additional-config")),
-    # 100 new tokens instead of 200: still past budget + slack (80), so the run shows its rounds
-    Rule(r"trikv demo --engine mlx .*", append="--max-new-tokens 100", venv="upper", rounds=True, timeout=600,
-         expect=("agreement",)),
+    # mlx's CPU build decodes ~7 tokens/s on one thread: 40 tokens past a budget of 16 (+ slack 8) show the rounds
+    Rule(r"trikv demo --engine mlx .*", append="--budget 16 --divide-length 8 --max-new-tokens 40", venv="upper",
+         rounds=True, timeout=600, expect=("agreement",)),
     Rule(r'pip install "trikv\[mlx\]"', instead=f"{BIN}/python -c \"import tomllib; extras = tomllib.load(open('{ROOT}/pyproject.toml', "
          "'rb'))['project']['optional-dependencies']; assert any('mlx' in r for r in extras['mlx']), extras\"",
          why_not_as_written="installs packages; the extra it names is checked instead (scripts/test.sh installs it)"),
-    Rule(r"trikv generate --engine mlx .*", venv="upper", rounds=True, expect=("rounds",)),
+    Rule(r"trikv generate --engine mlx .*", append="--budget 16 --divide-length 8 --max-new-tokens 40", venv="upper",
+         rounds=True, expect=("rounds",)),
     Rule(r"python -m trikv\.benchmarks\.mlx .*", venv="upper", timeout=600,
-         append="--contexts 512 --budget 128 --divide-length 16 --warmup 1 --agreement-budget 64 --agreement-divide-length 16 "
-         "--agreement-tokens 32 --kept-sets-tokens 256", files=("docs/mlx.md",)),
-    Rule(r"trikv calibrate .*", append="--text-tokens 256", expect=("calibrated smollm2-135m",), files=("my-stats.safetensors",)),
+         append="--contexts 256 --budget 64 --divide-length 16 --warmup 1 --agreement-budget 16 --agreement-divide-length 8 "
+         "--agreement-tokens 32 --kept-sets-tokens 128", files=("docs/mlx.md",)),
+    Rule(r"trikv calibrate --model smollm2-135m .*", append="--text-tokens 256", expect=("calibrated smollm2-135m",),
+         files=("my-stats.safetensors",)),
+    # the own-model guide: ./my-model is a folder of the bundled model's converted checkpoint (`scratch`)
+    Rule(r"trikv calibrate --model \./my-model .*", append="--text-tokens 256", expect=("calibrated ./my-model",),
+         files=("my-model.safetensors",)),
+    Rule(r"trikv generate --model \./my-model .*", rounds=True, expect=("[triattention]",)),
+    Rule(r"trikv serve --model \./my-model .*", append="--dry-run", venv="vllm", expect=("trikv.vllm.launch serve",),
+         why_not_as_written="a long-lived server: the guide's openai snippet starts it as written (plus a free port and "
+         "a small max_model_len) and talks to it"),
     Rule(r"trikv analyze .*", append="--text-tokens 200 --chunk-tokens 100 --distances 8 --no-progress",
          files=("runs/analysis/smollm2-135m/analysis.json",)),
     Rule(r"python -m trikv\.analysis\.docs .*", files=("docs/analysis.md",)),
@@ -194,6 +205,10 @@ def scratch(tmp_path_factory):
     # the serving runs the guides' report commands read (a copy: nothing a command writes reaches the repository)
     shutil.copytree(ROOT / "docs" / "runs" / "serve", folder / "docs" / "runs" / "serve")
     shutil.copytree(ROOT / "docs" / "runs" / "conversation", folder / "docs" / "runs" / "conversation")
+    # the own-model guide's ./my-model: a folder holding a checkpoint, here the bundled model's converted one
+    from trikv.models import resolve_model_path
+
+    (folder / "my-model").symlink_to(resolve_model_path("smollm2-135m"), target_is_directory=True)
     return folder
 
 
@@ -248,6 +263,10 @@ class Snippet:
     timeout: int = 600
     env: tuple[tuple[str, str], ...] = ()
     rounds: bool = False  # it claims a bounded cache: as written, it prints a round count > 0
+    # a snippet that talks to a server: the page's command matching `server` runs in the background (in .venv, with
+    # `server_args` appended and a free port instead of 8000, in the snippet too) until it answers, then the snippet
+    server: str = ""
+    server_args: str = ""
 
 
 SNIPPETS = [
@@ -262,7 +281,12 @@ SNIPPETS = [
                                            (r"LLM\(model_path, ", "LLM(model_path, max_model_len=512, enforce_eager=True, ")),
             # vLLM's CPU build reserves 92% of the machine's memory unless told a KV size; the other suite runs beside
             expect=("[",), venv="vllm", env=(("VLLM_CPU_KVCACHE_SPACE", "1"),)),
-    Snippet("import trikv.mlx", venv="upper", rounds=True, expect=("entries per (layer, KV head)",)),
+    Snippet('trikv.mlx.load("smollm2-135m")', venv="upper", rounds=True, expect=("entries per (layer, KV head)",)),
+    Snippet("trikv.mlx.load(\"./my-model\")", venv="upper", rounds=True, expect=("entries per (layer, KV head)",)),
+    # the own-model guide's client of its `trikv serve` command (a chat reply of 64 tokens at most, nothing to shrink)
+    Snippet("import openai", venv="vllm", server=r"trikv serve --model \./my-model .*",
+            server_args="-- --max-model-len 2048 --enforce-eager --dtype float32",
+            env=(("VLLM_CPU_KVCACHE_SPACE", "1"),), expect=("completion_tokens=",)),
 ]
 
 
@@ -290,9 +314,15 @@ def test_readme_snippet_runs(index, scratch):
     python = VENV_BINS[rule.venv] / "python"
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **dict(rule.env))
     script = scratch / f"readme_snippet_{index}.py"  # a file, not -c: vLLM's engine processes re-import __main__
-    script.write_text(code)
-    result = subprocess.run([str(python), str(script)], cwd=scratch, env=env, capture_output=True, text=True,
-                            timeout=rule.timeout)
+    with contextlib.ExitStack() as stack:
+        if rule.server:
+            port = _free_port()
+            code, count = re.subn(r"127\.0\.0\.1:8000", f"127.0.0.1:{port}", code)
+            assert count, "the snippet no longer talks to 127.0.0.1:8000"
+            stack.enter_context(_background_server(rule, port, scratch, env))
+        script.write_text(code)
+        result = subprocess.run([str(python), str(script)], cwd=scratch, env=env, capture_output=True, text=True,
+                                timeout=rule.timeout)
     output = result.stdout + result.stderr
     assert result.returncode == 0, f"README snippet {index} failed:\n{output[-4000:]}"
     for needle in rule.expect:
@@ -301,6 +331,51 @@ def test_readme_snippet_runs(index, scratch):
         assert not rule.shrink, "a snippet that claims rounds runs at its written sizes"
         counts = [int(count) for count in re.findall(r"(\d+) rounds", result.stdout)]
         assert counts and min(counts) > 0, f"README snippet {index} printed rounds {counts}:\n{output[-3000:]}"
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def _background_server(rule: Snippet, port: int, scratch: Path, env: dict):
+    """The page's server command (`rule.server`) running on `port` until it answers GET /health; stopped after."""
+    import time
+    import urllib.request
+
+    (command,) = [command for command in shell_commands() if re.fullmatch(rule.server, command)]
+    line = f"{command} --port {port} {rule.server_args}"
+    path = dict(env, PATH=f"{VENV_BINS['vllm']}{os.pathsep}{env['PATH']}")
+    log_path = scratch / f"server_{port}.log"
+    with open(log_path, "w") as log:
+        server = subprocess.Popen(["bash", "-c", f"exec {line}"], cwd=scratch, env=path, stdout=log,
+                                  stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.time() + 400
+        while True:
+            assert server.poll() is None, f"{line!r} exited:\n{log_path.read_text()[-4000:]}"
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.time() < deadline, f"{line!r} not ready:\n{log_path.read_text()[-4000:]}"
+            time.sleep(2)
+        yield
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # a server that exited by itself has no group left
+            os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
 
 
 def test_readme_figures_are_what_the_run_files_give(tmp_path):

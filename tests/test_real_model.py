@@ -189,7 +189,7 @@ def test_gemma3_fidelity_on_its_own_trace(gemma):
 def test_gemma3_demo_picks_the_transformers_engine_and_counts_both_kinds_of_layers(gemma, capsys):
     from trikv.demo import run_demo
 
-    table = run_demo("gemma3-270m", budget=64, divide_length=32, new_tokens=100, progress=False)
+    table = run_demo("gemma3-270m", budget=64, divide_length=16, new_tokens=48, progress=False)
     out = capsys.readouterr().out
     assert "engine: transformers" in out
     assert "KV entries / (global layer, head), peak" in table and "15 sliding-window layers, 512 tokens each" in table
