@@ -4,6 +4,7 @@ and the page rendered from the cells (the full runs on Qwen2.5-Coder are benchma
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 
@@ -47,13 +48,62 @@ def test_sessions_ask_what_their_chunks_hold_and_are_reproducible(tokenizer):
             signature = re.search(rf"def {re.escape(question.subject)}\((.*?)\)\s*(->[^:]*)?:", chunk.text, re.S)
             assert signature and all(re.search(rf"\b{name}\b", signature.group(1)) for name in question.expected)
         else:
-            assert re.search(rf"^\s*{re.escape(question.subject)}\s*=\s*", chunk.text, re.M)
-            assert all(literal in chunk.text for literal in question.expected)
-    # a right answer names every expected item; a partial or a different one is wrong
+            assignment = re.search(rf"^\s*{re.escape(question.subject)}\s*=\s*(.+?)\s*(#.*)?$", chunk.text, re.M)
+            assert assignment and ast.literal_eval(assignment.group(1)) == ast.literal_eval(question.expected[0])
+    # a right answer names exactly the expected set; a partial, a longer or a different one is wrong
     params = next(m.question for m in session.messages if m.question.kind == "params")
     assert params.is_right(", ".join(reversed(params.expected)))
     assert not params.is_right(", ".join(params.expected[:-1]))
+    assert not params.is_right(", ".join(params.expected + ("extra",)))
     assert not params.is_right(", ".join(name + "x" for name in params.expected))
+
+
+def test_no_session_asks_a_fact_twice(tokenizer):
+    """The bench's sessions (its default seeds, steps and chunk size): every question asks a fact no earlier question
+    of the session asked, recalls included, so no answer can be echoed from the conversation; recalls still reach
+    back 1 .. 8 chunks, and every chunk defines at least MIN_FACTS facts."""
+    from trikv.benchmarks.agent.cli import add_arguments
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    defaults = parser.parse_args([])
+    for seed in range(defaults.sessions):
+        session = tasks.make_session(seed, tokenizer, steps=defaults.steps, chunk_tokens=defaults.chunk_tokens)
+        asked = [(m.question.chunk, m.question.subject) for m in session.messages]
+        assert len(set(asked)) == len(asked), f"session {seed} asks a fact twice"
+        recalls = [m for m in session.messages if m.distance > 0]
+        assert len(recalls) == defaults.steps - 1 and all(1 <= m.distance <= 8 for m in recalls)
+        for chunk in session.chunks:
+            source = ast.parse((tasks.stdlib_dir() / chunk.path).read_text())
+            inside = [fact for fact in tasks._facts(source) if chunk.first_line <= fact[3] <= chunk.last_line]
+            assert len(inside) >= tasks.MIN_FACTS
+
+
+@pytest.mark.parametrize("answer, right", [
+    ("path, mode", True), ("mode, path", True), ("`path`, `mode`", True), ("path, mode.", True),
+    ("path, mode=None", True), ("path: str, mode: int = 0", True), ("path, *, mode", True), ("path, mode, *args, **kwargs", True),
+    ("open(path, mode)", True), ("self, path, mode", True), ("```\npath, mode\n```", True),
+    ("path, mode\nThese are the parameters.", True),
+    ("path", False), ("path, mode, names", False), ("The parameters are path and mode", False),
+    ("The parameters are: path, mode", False), ("path mode", False), ("", False), ("paths, mode", False),
+    ("Path, mode", False),
+])
+def test_the_params_judge_wants_the_exact_set(answer, right):
+    question = tasks.Question("params", "open", ("path", "mode"), 0, "")
+    assert question.is_right(answer) is right
+
+
+@pytest.mark.parametrize("expected, answer, right", [
+    (42, "42", True), (42, "X = 42", True), (42, "`42`.", True), (42, "0x2a", True), (42, "42.0", True),
+    (0.5, ".5", True), ("utf-8", "utf-8", True), ("utf-8", "'utf-8'", True), ("utf-8", '"utf-8".', True),
+    ("42", "42", True), ("...", "...", True),
+    (42, "'42'", False), (42, "43", False), (42, "The value is 42", False), (42, "", False), (42, "420", False),
+    ("utf-8", "utf8", False), ("utf-8", "'utf-8' (the default)", False), (2, "True", False),
+])
+def test_the_value_judge_wants_the_literal(expected, answer, right):
+    question = tasks.Question("value", "X", (repr(expected),), 0, "")
+    assert question.is_right(answer) is right
 
 
 @pytest.fixture(scope="module")
@@ -157,3 +207,71 @@ def test_agent_page_opens_with_its_title_commit_line_and_headline_box(tmp_path):
     assert lines[6] == "> - no targets checked on this page"
     lines = write_report([_agent_folder(tmp_path / "agent", bounded_right=False)], tmp_path / "agent.md").read_text().splitlines()
     assert lines[5].endswith("triattention completes 1/1 sessions, 0% of its answers right (uncapped full attention: 100%)")
+
+
+def _paired_folder(root, commit: str):
+    """Two sessions of four questions: TriAttention right on 5 of 8, H2O on 6 of 8, the no-context control on
+    questions 0 of each session only (answers from training)."""
+    right = {"triattention": [[1, 1, 0, 1], [1, 0, 1, 0]], "h2o": [[1, 1, 1, 1], [1, 0, 1, 0]],
+             "random": [[0, 0, 0, 0], [0, 0, 0, 0]], "no-context": [[1, 0, 0, 0], [1, 0, 0, 0]],
+             "full-unlimited": [[1, 1, 1, 1], [1, 1, 1, 1]], "full": [[1], [1]]}
+    settings = {"model": "tiny", "budget": 128, "limit_tokens": 1000, "max_new_tokens": 4,
+                "version": {"trikv": trikv.__version__, "commit": commit}}
+    (root / "cells").mkdir(parents=True)
+    for method, sessions in right.items():
+        for seed, answers in enumerate(sessions):
+            records = [{"step": i, "distance": i, "right": bool(r), "agrees": None, "peak_bytes": 2**20, "tokens": 500 * (i + 1),
+                        "ttft": 0.5} for i, r in enumerate(answers)]
+            error = {"message": 1, "step": 1, "tokens": 1000, "error": "over the limit"} if method == "full" else None
+            (root / "cells" / f"transformers-{method}-{seed}.json").write_text(json.dumps(
+                {"fingerprint": "f", "settings": settings, "result": {"records": records, "error": error}}))
+    (root / "agent.json").write_text(json.dumps({"config": {**settings, "sessions": 2, "steps": 2, "chunk_tokens": 500,
+                                                            "kv_bytes_per_token": 1024, "cap_bytes": 1000 * 1024}}))
+    (root / "sessions.json").write_text(json.dumps([{"sources": {"python": "3.11"}, "messages": [{}] * 4}] * 2))
+    return root
+
+
+def test_the_page_pairs_methods_over_questions_and_subtracts_what_needs_no_context(tmp_path):
+    from trikv.benchmarks.agent.report import load_cells, paired_difference
+
+    folder = _paired_folder(tmp_path / "agent", commit="c0ffee1")
+    runs = load_cells(folder)["transformers"]
+    point, interval, count = paired_difference(runs["triattention"], runs["h2o"])
+    assert count == 8 and point == pytest.approx(-1 / 8) and interval[0] < point <= interval[1] <= 0
+    page = write_report([folder], tmp_path / "agent.md").read_text()
+    # TriAttention is right on 3 of the 6 questions the no-context control misses; H2O on 4
+    assert "| transformers | triattention | 2/2 | - | 1.0 MiB | 62% [" in page and "] of 8 | 50% [" in page
+    assert "| transformers | h2o | 2/2 | - | 1.0 MiB | 75% [" in page and "] of 8 | 67% [" in page
+    assert "| transformers | triattention − h2o | -12.5 [" in page and "| triattention − random | +62.5 [" in page
+    assert "| transformers | no context (each question alone, full attention) |" in page
+
+
+def test_the_readme_row_names_the_best_bounded_method_and_skips_uncommitted_cells(tmp_path, monkeypatch):
+    from trikv.benchmarks import readme
+
+    monkeypatch.setattr(readme, "RUNS", tmp_path)
+    _paired_folder(tmp_path / "agent", commit="c0ffee1")
+    (row,) = readme._agent_rows()
+    assert "| fails at message 2 of 3 | completes 2/2 sessions; TriAttention 62% answers right; best bounded: h2o 75% " \
+           "(TriAttention − h2o: -12.5 [" in row and "points, paired); full attention without a limit: 100% |" in row
+    _paired_folder(tmp_path / "dirty" / "agent", commit="c0ffee1+changes")
+    monkeypatch.setattr(readme, "RUNS", tmp_path / "dirty")
+    assert readme._agent_rows() == []  # cells from a tree with uncommitted changes feed no row
+
+
+def test_the_no_context_control_asks_each_question_alone(tokenizer, tiny_chat, monkeypatch):
+    """Every question in a fresh conversation of the system message and the question: no tool result is read."""
+    model, _ = tiny_chat
+    session = tasks.make_session(0, tokenizer, steps=3, chunk_tokens=200)
+    sent = []
+    send = trikv.Session.send
+
+    def recording_send(self, message, **options):
+        sent.append((message, len(self.turns)))
+        return send(self, message, **options)
+
+    monkeypatch.setattr(trikv.Session, "send", recording_send)
+    result = backends.run_no_context(model, tokenizer, session, max_new_tokens=2)
+    assert [message for message, _ in sent] == [m.question.text for m in session.messages]
+    assert all(turns == 0 for _, turns in sent) and "Tool result" not in "".join(m for m, _ in sent)
+    assert len(result["records"]) == len(session.messages) and result["error"] is None

@@ -97,24 +97,39 @@ def _conversation_rows() -> list[str]:
 
 
 def _agent_rows() -> list[str]:
-    from .agent.report import load_cells, summarise
+    """Per backend: full attention's outcome under the limit, TriAttention's and the best bounded method's accuracy
+    with their paired difference. Cells made by a tree with uncommitted changes feed no row (the page labels them)."""
+    from .agent.report import REFERENCE, bounded_methods, load_cells, paired_difference, summarise
 
     folder = RUNS / "agent"
     config = json.loads((folder / "agent.json").read_text())["config"]
     runs = load_cells(folder)
     out = []
     for backend in ("transformers", "vllm", "mlx"):
-        if backend not in runs or "full" not in runs[backend] or "triattention" not in runs[backend]:
+        methods = runs.get(backend, {})
+        if "full" not in methods or "triattention" not in methods:
             continue
-        full, tri = summarise(runs[backend]["full"]), summarise(runs[backend]["triattention"])
-        reference = summarise(runs["transformers"]["full-unlimited"]) if "full-unlimited" in runs.get("transformers", {}) else None
+        summaries = {method: summarise(cells) for method, cells in methods.items()}
+        best = max(bounded_methods(summaries), key=lambda m: (summaries[m]["completed"], summaries[m]["accuracy"][0]))
+        used = [methods["full"], methods["triattention"], methods[best], runs.get("transformers", {}).get(REFERENCE, {})]
+        if any(str(cell["settings"]["version"].get("commit") or "").endswith("+changes")
+               for cells in used for cell in cells.values()):
+            continue
+        full, tri = summaries["full"], summaries["triattention"]
         failure = min(full["failures"], key=lambda f: f["message"]) if full["failures"] else None
         fails = (f"fails at message {failure['message'] + 1} of {2 * config['steps'] - 1}" if failure
                  else f"completes {full['completed']}/{full['sessions']}")
-        right = f"{100 * tri['accuracy'][0]:.0f}% answers right" + (
-            f" (full attention without a limit: {100 * reference['accuracy'][0]:.0f}%)" if reference else "")
+        right = f"TriAttention {100 * tri['accuracy'][0]:.0f}% answers right"
+        if best == "triattention":
+            right += ", the best bounded method here"
+        else:
+            point, interval, _ = paired_difference(methods["triattention"], methods[best])
+            right += (f"; best bounded: {best} {100 * summaries[best]['accuracy'][0]:.0f}% (TriAttention − {best}: "
+                      f"{100 * point:+.1f} [{100 * interval[0]:+.1f}, {100 * interval[1]:+.1f}] points, paired)")
+        if REFERENCE in runs.get("transformers", {}):
+            right += f"; full attention without a limit: {100 * summarise(runs['transformers'][REFERENCE])['accuracy'][0]:.0f}%"
         out.append(f"| coding-agent session ({config['model']}, {backend}) past a {config['limit_tokens']:,}-token KV limit "
-                   f"| {fails} | completes {tri['completed']}/{tri['sessions']} sessions, {right} | [agent.md](docs/agent.md) |")
+                   f"| {fails} | completes {tri['completed']}/{tri['sessions']} sessions; {right} | [agent.md](docs/agent.md) |")
     return out
 
 

@@ -11,6 +11,9 @@ first token.
   new tokens; stateless (`--no-session-reuse`, the "vllm-stateless" backend) it prefills the whole conversation
   again, compacting between chunks. Each message records the prompt's tokens and those vLLM did not compute.
 
+The no-context control (`run_no_context`) asks every question alone, without the tool results, on full attention:
+the share of questions the model answers from training.
+
 Memory limit: on vLLM the KV pool itself (`num_gpu_blocks_override`): a conversation longer than full attention's
 pool is refused with vLLM's own 400 error. On transformers and MLX the harness enforces a KV byte cap: after
 every forward (transformers) or every message's prefill (MLX) the bytes the cache holds are compared with the cap,
@@ -76,6 +79,27 @@ def run_transformers(model, tokenizer, session: AgentSession, method: str, budge
         if progress is not None:
             progress()
     return {"records": records, "error": error}
+
+
+def run_no_context(model, tokenizer, session: AgentSession, max_new_tokens: int = 32, engine: str = "lean",
+                   progress=None) -> dict:
+    """The no-context control: every question of the session asked alone (the system message and the question, no
+    tool result before it, a fresh conversation each), full attention, greedy. What it gets right the model knows
+    from training, not from the files it read."""
+    import trikv
+
+    from .tasks import no_context_messages
+
+    records = []
+    for message, question in zip(session.messages, no_context_messages(session)):
+        conversation = trikv.Session(model, tokenizer, method="full", system=SYSTEM_MESSAGE, engine=engine)
+        conversation.send(question, max_new_tokens=max_new_tokens)
+        turn = conversation.turns[-1]
+        records.append(_record(message, turn.reply, None, held_bytes=turn.held_bytes, peak_bytes=turn.held_bytes,
+                               tokens=None, ttft=None, rounds=0))
+        if progress is not None:
+            progress()
+    return {"records": records, "error": None}
 
 
 def _turn_peak(cache, turn) -> int:

@@ -24,13 +24,16 @@ from pathlib import Path
 from .. import register_bench
 
 DEFAULT_MODEL = "qwen2.5-coder-0.5b"
-DEFAULT_METHODS = {"transformers": ("triattention", "rkv", "snapkv", "h2o", "streaming"),
-                   "mlx": ("triattention", "streaming"), "vllm": ("triattention", "streaming"),
+# the control (random eviction) and a recent-window TriAttention beside the flagship on every backend
+DEFAULT_METHODS = {"transformers": ("triattention", "triattention-recent", "rkv", "snapkv", "h2o", "streaming", "random"),
+                   "mlx": ("triattention", "triattention-recent", "streaming", "random"),
+                   "vllm": ("triattention", "triattention-recent", "streaming", "random"),
                    "vllm-stateless": ("triattention", "streaming")}
 # vLLM with session reuse (trikv's default: each message continues the cache the previous one left) and without it
 # (every message prefills the whole conversation again); full attention is plain vLLM, run once, under "vllm"
 VLLM_BACKENDS = {"vllm": True, "vllm-stateless": False}
 REFERENCE = "full-unlimited"
+NO_CONTEXT = "no-context"  # every question alone, without the tool results (what the model knows from training)
 
 
 def add_arguments(parser) -> None:
@@ -144,6 +147,7 @@ def main(args) -> int:
           f"({sum(len(s.messages) for s in sessions)} questions); memory limit {args.limit_tokens} tokens of KV "
           f"({cap_bytes / 2**20:.1f} MiB); budget {args.budget}", flush=True)
     references = _references(model, tokenizer, sessions, cells, common, args)
+    _no_context(model, tokenizer, sessions, cells, common, args)
     for backend in backends:
         methods = ["full", *(args.methods.split(",") if args.methods else DEFAULT_METHODS[backend])]
         if backend == "transformers":
@@ -207,6 +211,17 @@ def _references(model, tokenizer, sessions, cells: Cells, common: dict, args) ->
                                                     max_new_tokens=args.max_new_tokens, progress=bar.update))
         answers[session.seed] = [record["answer"] for record in result["records"]]
     return answers
+
+
+def _no_context(model, tokenizer, sessions, cells: Cells, common: dict, args) -> None:
+    """The no-context control's cells (transformers, full attention, each question alone)."""
+    from .backends import run_no_context
+
+    for session in sessions:
+        with _bar(len(session.messages), f"no context s{session.seed}", args) as bar:
+            _cell("transformers", NO_CONTEXT, session, common, cells,
+                  lambda: run_no_context(model, tokenizer, session, max_new_tokens=args.max_new_tokens,
+                                         progress=bar.update))
 
 
 def _run_transformers(model, tokenizer, sessions, methods, references, cells, common, cap_bytes, args) -> None:

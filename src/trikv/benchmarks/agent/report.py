@@ -23,6 +23,13 @@ TITLE = "An agent session past a memory limit"
 
 DISTANCES = ((0, 0, "0 (the chunk just read)"), (1, 2, "1-2"), (3, 5, "3-5"), (6, 10**6, "6+"))
 BACKEND_ORDER = ("transformers", "mlx", "vllm", "vllm-stateless")
+REFERENCE, NO_CONTEXT = "full-unlimited", "no-context"  # the two runs that are not methods under the limit
+
+
+def bounded_methods(methods) -> list[str]:
+    """The methods that ran under the limit with a bounded cache (full attention, the reference and the no-context
+    control aside)."""
+    return [m for m in methods if m not in ("full", REFERENCE, NO_CONTEXT)]
 
 
 def load_cells(folder: Path) -> dict:
@@ -54,14 +61,26 @@ def _pct(point: float, interval: list[float]) -> str:
     return f"{100 * point:.0f}% [{100 * interval[0]:.0f}, {100 * interval[1]:.0f}]"
 
 
+def _seconds(value: float) -> str:
+    return "-" if math.isnan(value) else f"{value:.2f} s"
+
+
 def _times(value: float) -> str:
     return "-" if math.isnan(value) else f"x{value:.2f}"
 
 
-def summarise(cells: dict) -> dict:
-    """Per method: sessions, completed, failures, answered, accuracy and agreement (with intervals), by distance."""
+def summarise(cells: dict, no_context: dict | None = None) -> dict:
+    """Per method: sessions, completed, failures, answered, accuracy and agreement (with intervals), by distance;
+    with the no-context control's cells, also the accuracy on the questions the control gets wrong (what the files
+    had to tell)."""
     seeds = sorted(cells)
     records = {seed: cells[seed]["records"] for seed in seeds}
+    from_context = (math.nan, [math.nan, math.nan])
+    if no_context is not None and all(seed in no_context for seed in seeds):
+        unknown = {seed: [not r["right"] for r in no_context[seed]["records"]] for seed in seeds}
+        from_context = share_with_interval(
+            [sum(r["right"] for r, u in zip(records[s], unknown[s]) if u) for s in seeds],
+            [sum(u for _, u in zip(records[s], unknown[s])) for s in seeds])
     right = [sum(r["right"] for r in records[s]) for s in seeds]
     answered = [len(records[s]) for s in seeds]
     agrees = [sum(bool(r["agrees"]) for r in records[s] if r["agrees"] is not None) for s in seeds]
@@ -80,12 +99,33 @@ def summarise(cells: dict) -> dict:
     return {
         "prefill_computed": float(np.median(computed)) if computed else math.nan,
         "sessions": len(seeds), "completed": len(seeds) - len(failures), "failures": failures,
-        "answered": sum(answered), "accuracy": share_with_interval(right, answered),
+        "answered": sum(answered), "accuracy": share_with_interval(right, answered), "from_context": from_context,
         "agreement": share_with_interval(agrees, compared), "by_distance": by_distance,
         "peak_bytes": max(peaks) if peaks else 0, "ttft_median": float(np.median(ttft)) if ttft else math.nan,
         "ttft_last": float(np.median([records[s][-1]["ttft"] for s in seeds if records[s] and records[s][-1]["ttft"]]))
         if any(records[s] for s in seeds) else math.nan,
     }
+
+
+def paired_difference(cells_a: dict, cells_b: dict) -> tuple[float, list[float], int]:
+    """Accuracy of a minus accuracy of b on the questions both answered (same sessions, same messages), with its
+    95% bootstrap interval over those questions (each question drawn with both answers: the pairs resampled)."""
+    differences = []
+    for seed in sorted(set(cells_a) & set(cells_b)):
+        for record_a, record_b in zip(cells_a[seed]["records"], cells_b[seed]["records"]):
+            differences.append(float(record_a["right"]) - float(record_b["right"]))
+    if not differences:
+        return math.nan, [math.nan, math.nan], 0
+    values = np.asarray(differences)
+    weights = resample_weights(len(values))
+    return float(values.mean()), percentile_interval(weights @ values / len(values)), len(values)
+
+
+def _points(point: float, interval: list[float]) -> str:
+    """A difference of shares in percentage points with its interval."""
+    if math.isnan(point):
+        return "-"
+    return f"{100 * point:+.1f} [{100 * interval[0]:+.1f}, {100 * interval[1]:+.1f}]"
 
 
 def _longest(runs: dict) -> int:
@@ -113,7 +153,7 @@ def _figure(config: dict, runs: dict) -> str:
     backend = next(b for b in BACKEND_ORDER if b in runs)
     summaries = {method: summarise(cells) for method, cells in runs[backend].items()}
     where = f"{config['model']}, limit {config['limit_tokens']:,} tokens ({backend})"
-    bounded = [m for m in summaries if not m.startswith("full")]
+    bounded = bounded_methods(summaries)
     if not bounded:
         return f"{where}: no bounded method ran"
     best = max(bounded, key=lambda m: (summaries[m]["completed"], summaries[m]["accuracy"][0]))
@@ -154,7 +194,10 @@ def write_report(folders: list[Path] | Path, out: Path) -> Path:
         "**The case.** A coding agent reads a code base through a tool: every step is a tool result, a chunk of a real "
         f"source file (the Python {python} standard library, one chunk per file, files drawn per session), with a "
         "question about that chunk, then a question about a chunk read earlier. Every answer is checkable: parameter "
-        "names or assigned literals read from the file by Python's parser. The conversation grows past a memory "
+        "names or assigned literals read from the file by Python's parser, judged strictly (the exact set of names; "
+        "the literal's value). No question asks a fact an earlier question of the session asked, so a recall cannot "
+        "be echoed from an earlier answer. The no-context control asks every question alone, without the files: "
+        "what it gets right the model knows from training. The conversation grows past a memory "
         "limit: on vLLM the KV pool itself (vLLM refuses a longer conversation with a 400 error); on transformers and "
         "MLX the harness compares the bytes the cache holds after every forward (MLX: after every message's prefill) "
         "with the limit and ends the session at the first message that passes it, as an out-of-memory would. Bounded "
@@ -191,27 +234,37 @@ def _setting_lines(folder: Path, config: dict, sessions: list, runs: dict, figur
         "### Who completes the session",
         "",
         "| backend | method | sessions completed | full attention's failure | peak KV | answers right (vs truth) "
-        "| agrees with uncapped full | median TTFT | TTFT, last message | prompt tokens computed / conversation |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| right where no context fails | agrees with uncapped full | median TTFT | TTFT, last message "
+        "| prompt tokens computed / conversation |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     summaries: dict = {}
+    no_context = runs.get("transformers", {}).get(NO_CONTEXT)
     for backend in [b for b in BACKEND_ORDER if b in runs]:
-        for method in sorted(runs[backend], key=lambda m: (m != "full-unlimited", m != "full", m)):
-            summary = summaries.setdefault(backend, {})[method] = summarise(runs[backend][method])
+        for method in sorted(runs[backend], key=lambda m: (m != NO_CONTEXT, m != REFERENCE, m != "full", m)):
+            summary = summaries.setdefault(backend, {})[method] = summarise(runs[backend][method], no_context)
             failure = "-"
             if summary["failures"]:
                 first = min(summary["failures"], key=lambda f: f["message"])
                 failure = (f"at message {first['message'] + 1} (step {first['step'] + 1})"
                            + (f", {first['tokens']:,} tokens" if first.get("tokens") else "") + f": {first['error']}")
             accuracy, agreement = summary["accuracy"], summary["agreement"]
-            label = "full, no limit (reference)" if method == "full-unlimited" else method
+            label = {REFERENCE: "full, no limit (reference)",
+                     NO_CONTEXT: "no context (each question alone, full attention)"}.get(method, method)
+            own = method in (REFERENCE, NO_CONTEXT)
             lines.append(
                 f"| {backend} | {label} | {summary['completed']}/{summary['sessions']} | {failure} | "
                 f"{summary['peak_bytes'] / mib:.1f} MiB | {_pct(*accuracy)} of {summary['answered']} | "
-                f"{_pct(*agreement) if method != 'full-unlimited' else '-'} | {summary['ttft_median']:.2f} s | "
-                f"{summary['ttft_last']:.2f} s | "
+                f"{_pct(*summary['from_context']) if method != NO_CONTEXT else '-'} | "
+                f"{_pct(*agreement) if not own else '-'} | {_seconds(summary['ttft_median'])} | "
+                f"{_seconds(summary['ttft_last'])} | "
                 f"{_times(summary['prefill_computed'])} |")
-    lines += ["", "Accuracy counts the questions a run answered (a failed session answers none after its failure).",
+    lines += ["", "Accuracy counts the questions a run answered (a failed session answers none after its failure). "
+              "A right answer is the exact set of parameter names or the literal's value (the strict judge of "
+              "`trikv.benchmarks.agent.tasks`). `right where no context fails`: the accuracy on the questions the "
+              "no-context control (every question asked alone, without the files) gets wrong, which only what the run "
+              "read can answer." + ("" if no_context else " (No no-context cells in this folder: the column is empty.)"),
+              *_paired_lines(runs),
               "", "### Answers by distance", "",
               "Share of right answers by how many chunks were read after the one asked about, [95% bootstrap interval "
               "over sessions], (questions).", "",
@@ -241,6 +294,27 @@ def _setting_lines(folder: Path, config: dict, sessions: list, runs: dict, figur
     return lines
 
 
+def _paired_lines(runs: dict) -> list[str]:
+    """TriAttention against every other bounded method of the same backend, paired over questions."""
+    rows = []
+    for backend in [b for b in BACKEND_ORDER if b in runs]:
+        methods = runs[backend]
+        if "triattention" not in methods:
+            continue
+        for other in bounded_methods(methods):
+            if other != "triattention":
+                point, interval, count = paired_difference(methods["triattention"], methods[other])
+                rows.append(f"| {backend} | triattention − {other} | {_points(point, interval)} | {count} |")
+    if not rows:
+        return []
+    return ["", "### TriAttention against each bounded method, paired", "",
+            "Accuracy of TriAttention minus the other method's, in percentage points, on the questions both answered "
+            "(the same messages of the same sessions), with a 95% bootstrap interval over those questions (each drawn "
+            "with both answers). An interval that holds 0 is no difference this run can tell; the rows are several "
+            "comparisons, so one interval in twenty misses by chance.", "",
+            "| backend | difference | points [95% interval] | questions |", "|---|---|---|---|", *rows]
+
+
 def _plot_ttft(runs: dict, figures: Path, prefix: str = "") -> Path:
     import matplotlib
 
@@ -253,7 +327,7 @@ def _plot_ttft(runs: dict, figures: Path, prefix: str = "") -> Path:
     colours: dict = {}
     for axis, backend in zip(axes[0], backends):
         for method, cells in runs[backend].items():
-            if method == "full-unlimited":
+            if method in (REFERENCE, NO_CONTEXT):
                 continue
             colour = colours.setdefault(method, "black" if method == "full" else palette[len(colours) % len(palette)])
             for index, seed in enumerate(sorted(cells)):
@@ -284,6 +358,8 @@ def _plot(runs: dict, summaries: dict, config: dict, figures: Path, prefix: str 
     palette = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for axis, backend in zip(axes[0], backends):
         for method, cells in runs[backend].items():
+            if method == NO_CONTEXT:
+                continue
             colour = colours.setdefault(method, "black" if method.startswith("full") else palette[len(colours) % len(palette)])
             style = ":" if method == "full-unlimited" else "-"
             for index, seed in enumerate(sorted(cells)):

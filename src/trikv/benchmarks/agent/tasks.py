@@ -3,14 +3,20 @@
 A session is what a coding agent's conversation looks like: every step is a tool result (`read_file` of a chunk
 of a real source file, about `chunk_tokens` tokens of whole lines) with a question about that chunk, then a
 question about a chunk read several steps earlier. Each question has a checkable answer read from the file by
-Python's own parser (`ast`), never written by hand:
+Python's own parser (`ast`), never written by hand, and a strict judge:
 
-- "params": the parameter names of a function or method defined in the chunk (self / cls left out, at least
-  two), right when every name appears in the answer as a word;
-- "value": the literal number or short string assigned to a module- or class-level name in the chunk, right when
-  the literal appears in the answer.
+- "params": the named parameters of a function or method defined in the chunk (self / cls, *args and **kwargs left
+  out, two to five); right when the answer's comma-separated names (read from its first line, defaults and
+  annotations dropped, starred items skipped) are exactly that set: a missing or an extra name is wrong, and a
+  sentence around the list is wrong;
+- "value": the literal number or short string assigned to a module- or class-level name in the chunk; right when
+  the answer's first line, parsed as a Python literal (a bare string as itself, `NAME = ` before it and a final
+  full stop allowed), equals the value (a number equals a number, a string the same string).
 
-A question's subject (the function or name) is defined in one chunk of the session only, so the question has one
+Every question of a session asks a different fact: a question about an earlier chunk (a recall) never repeats the
+question asked when the chunk was shown, nor an earlier recall, so an answer cannot be echoed from the
+conversation. A chunk is used only when it defines at least `MIN_FACTS` facts (one asked when shown, the others
+kept for recalls). A question's subject is defined in one chunk of the session only, so the question has one
 answer. `distance` is the number of chunks read after the asked chunk (0: the chunk just shown). Sessions are
 seeded: the same seed, Python version and files give the same session; every source file's sha256 is recorded.
 """
@@ -34,6 +40,7 @@ SOURCE_FILES = (
     "random.py", "ipaddress.py", "plistlib.py", "gettext.py", "mailbox.py", "shutil.py", "tempfile.py",
     "subprocess.py", "selectors.py", "socket.py", "codecs.py", "locale.py", "webbrowser.py", "trace.py", "timeit.py",
 )
+MIN_FACTS = 3  # facts a chunk must define: one asked when it is shown, two for recalls that repeat nothing
 
 SYSTEM_MESSAGE = ("You are a coding agent exploring a Python code base through tools. Each tool result shows part "
                   "of a file. Answer each question briefly, using only the files shown in this conversation.")
@@ -56,10 +63,64 @@ class Question:
     text: str
 
     def is_right(self, answer: str) -> bool:
-        """Every expected item appears in the answer (names as whole words, literals verbatim)."""
+        """The strict judge: the exact set of parameter names, or the literal's value (see the module's rule)."""
         if self.kind == "params":
-            return all(re.search(rf"(?<![\w]){re.escape(name)}(?![\w])", answer) for name in self.expected)
-        return all(literal in answer for literal in self.expected)
+            names = answer_names(answer)
+            return names is not None and names - {"self", "cls"} == set(self.expected)
+        return ast.literal_eval(self.expected[0]) in answer_values(answer)
+
+
+_IDENTIFIER = re.compile(r"[A-Za-z_]\w*")
+
+
+def _first_line(answer: str) -> str:
+    """The answer's first line with text, code fences and backticks removed, a final full stop dropped."""
+    lines = [line for line in answer.replace("```python", "").replace("```", "").splitlines() if line.strip()]
+    return lines[0].replace("`", "").strip().removesuffix(".").strip() if lines else ""
+
+
+def answer_names(answer: str) -> set[str] | None:
+    """The parameter names a "params" answer lists: its first line split at commas, each item the identifier that
+    starts it (`name: type = default` gives `name`); a line written as `f(a, b)` gives a, b. `*`, `/`, `*args` and
+    `**kwargs` items are skipped (questions ask the named parameters only). None when an item is not a name
+    (a sentence, not a list)."""
+    line = _first_line(answer)
+    call = re.fullmatch(r"[A-Za-z_][\w.]*\((.*)\)(\s*->.*)?:?", line)
+    if call:
+        line = call.group(1)
+    names = set()
+    for item in line.split(","):
+        item = item.strip()
+        if item in ("*", "/") or item.startswith("*") and _IDENTIFIER.fullmatch(item.lstrip("*").split(":")[0].strip()):
+            continue  # the keyword-only and positional-only markers, *args and **kwargs: not asked, not penalised
+        head = re.split(r"\s*[:=]", item, maxsplit=1)[0].strip()
+        if not item or not _IDENTIFIER.fullmatch(head):
+            return None
+        names.add(head)
+    return names
+
+
+def answer_values(answer: str) -> list:
+    """The values a "value" answer can be read as: its first line (`NAME = ` before it dropped), with and without a
+    final full stop, each as a Python literal when it parses as one (a number or a string) and as the bare text.
+    Empty for an empty answer."""
+    lines = [line for line in answer.replace("```python", "").replace("```", "").splitlines() if line.strip()]
+    line = lines[0].replace("`", "").strip() if lines else ""
+    assignment = re.fullmatch(r"[A-Za-z_]\w*\s*=\s*(.+)", line)
+    if assignment:
+        line = assignment.group(1).strip()
+    values = []
+    for text in dict.fromkeys([line, line.removesuffix(".").strip()]):
+        if not text:
+            continue
+        try:
+            value = ast.literal_eval(text)
+        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+            value = text
+        if isinstance(value, (int, float, str)) and not isinstance(value, bool):
+            values.append(value)
+        values.append(text)  # a string written without quotes ("utf-8", or "42" for the string '42')
+    return values
 
 
 @dataclass
@@ -106,7 +167,7 @@ def _facts(tree: ast.Module) -> list[tuple[str, str, tuple[str, ...], int]]:
                 if isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) >= 2:
                     facts.append(("value", node.targets[0].id, (repr(value),), node.lineno))
                 elif isinstance(value, str) and 3 <= len(value) <= 24 and value.isprintable() and "`" not in value:
-                    facts.append(("value", node.targets[0].id, (value,), node.lineno))
+                    facts.append(("value", node.targets[0].id, (repr(value),), node.lineno))
     return facts
 
 
@@ -145,13 +206,18 @@ def make_session(seed: int, tokenizer, steps: int = 10, chunk_tokens: int = 400,
     def tokens_of(text: str) -> int:
         return len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
+    def once(step_facts: list) -> list:  # a subject defined twice in a chunk (two classes' methods) has two answers
+        subjects = [fact[1] for fact in step_facts]
+        return [fact for fact in step_facts if subjects.count(fact[1]) == 1]
+
     chunks: list[Chunk] = []
     facts: list[list] = []
     sources = {}
     for name in files:
         if len(chunks) == steps:
             break
-        candidates = [(chunk, inside) for chunk, inside in _chunks(source_dir / name, tokens_of, chunk_tokens) if inside]
+        candidates = [(chunk, once(inside)) for chunk, inside in _chunks(source_dir / name, tokens_of, chunk_tokens)
+                      if len(once(inside)) >= MIN_FACTS]
         if not candidates:
             continue
         chunk, inside = rng.choice(candidates)  # one chunk per file: an agent reading around a code base
@@ -166,16 +232,34 @@ def make_session(seed: int, tokenizer, steps: int = 10, chunk_tokens: int = 400,
         return all(not word.search(other.text) for index, other in enumerate(chunks) if index != step)
 
     askable = [[fact for fact in step_facts if unique(step, fact)] or step_facts for step, step_facts in enumerate(facts)]
+    unasked = [list(step_facts) for step_facts in askable]  # facts no question of the session has asked yet
     messages = []
     for step, chunk in enumerate(chunks):
         header = (f"Tool result of read_file(\"{chunk.path}\", lines {chunk.first_line}-{chunk.last_line}):\n"
                   f"```python\n{chunk.text.rstrip()}\n```\n\n")
-        kind, subject, expected, _ = rng.choice(askable[step])
-        current = Question(kind, subject, expected, step, _question(kind, chunk.path, subject))
+        current = _ask(rng, unasked, chunks, step)
         messages.append(Message(step, header + current.text, current, 0))
         if step > 0:
-            back = step - rng.randint(1, min(step, far))
-            kind, subject, expected, _ = rng.choice(askable[back])
-            earlier = Question(kind, subject, expected, back, _question(kind, chunks[back].path, subject))
+            # a distance in 1 .. min(step, far) whose chunk still holds a fact nobody asked
+            distances = [d for d in range(1, min(step, far) + 1) if unasked[step - d]]
+            if not distances:
+                raise ValueError(f"session {seed}: no chunk within {far} steps of step {step} holds a fact not asked "
+                                 f"yet; raise MIN_FACTS or lower the steps")
+            back = step - rng.choice(distances)
+            earlier = _ask(rng, unasked, chunks, back)
             messages.append(Message(step, earlier.text, earlier, step - back))
     return AgentSession(seed, chunks, messages, sources | {"python": sys.version.split()[0]})
+
+
+def _ask(rng: random.Random, unasked: list[list], chunks: list[Chunk], chunk_index: int) -> Question:
+    """A question about a fact of chunk `chunk_index` that no question of the session asked before (removed from
+    `unasked`)."""
+    options = unasked[chunk_index]
+    kind, subject, expected, _ = options.pop(rng.randrange(len(options)))
+    return Question(kind, subject, expected, chunk_index, _question(kind, chunks[chunk_index].path, subject))
+
+
+def no_context_messages(session: AgentSession) -> list[str]:
+    """Each question of the session as it would be asked with no tool result before it (the no-context control:
+    what the model answers from training alone)."""
+    return [message.question.text for message in session.messages]
