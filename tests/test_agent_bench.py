@@ -253,7 +253,14 @@ def test_the_readme_row_names_the_best_bounded_method_and_skips_uncommitted_cell
     _paired_folder(tmp_path / "agent", commit="c0ffee1")
     (row,) = readme._agent_rows()
     assert "| fails at message 2 of 3 | completes 2/2 sessions; TriAttention 62% answers right; best bounded: h2o 75% " \
-           "(TriAttention − h2o: -12.5 [" in row and "points, paired); full attention without a limit: 100% |" in row
+           "(TriAttention − h2o: -12.5 [" in row and "points, paired over questions); full attention without a limit: 100% |" in row
+    for seed in (0, 1):  # H2O below TriAttention: the row names TriAttention best and the runner-up's difference
+        cell = json.loads((tmp_path / "agent" / "cells" / f"transformers-h2o-{seed}.json").read_text())
+        for record in cell["result"]["records"]:
+            record["right"] = False
+        (tmp_path / "agent" / "cells" / f"transformers-h2o-{seed}.json").write_text(json.dumps(cell))
+    (row,) = readme._agent_rows()
+    assert "TriAttention 62% answers right, the best bounded method here (next: h2o 0%; TriAttention − h2o: +62.5 [" in row
     _paired_folder(tmp_path / "dirty" / "agent", commit="c0ffee1+changes")
     monkeypatch.setattr(readme, "RUNS", tmp_path / "dirty")
     assert readme._agent_rows() == []  # cells from a tree with uncommitted changes feed no row

@@ -91,6 +91,7 @@ def summarise(cells: dict, no_context: dict | None = None) -> dict:
         total = [sum(low <= r["distance"] <= high for r in records[s]) for s in seeds]
         by_distance[label] = share_with_interval(hits, total) + (sum(total),)
     failures = [cells[s]["error"] for s in seeds if cells[s]["error"]]
+    last_ttfts = [records[s][-1]["ttft"] for s in seeds if records[s] and records[s][-1]["ttft"]]
     peaks = [r["peak_bytes"] for s in seeds for r in records[s]]
     ttft = [r["ttft"] for s in seeds for r in records[s] if r["ttft"] is not None]
     # vLLM: prompt tokens computed over a whole session, as a multiple of the conversation's final length
@@ -102,8 +103,7 @@ def summarise(cells: dict, no_context: dict | None = None) -> dict:
         "answered": sum(answered), "accuracy": share_with_interval(right, answered), "from_context": from_context,
         "agreement": share_with_interval(agrees, compared), "by_distance": by_distance,
         "peak_bytes": max(peaks) if peaks else 0, "ttft_median": float(np.median(ttft)) if ttft else math.nan,
-        "ttft_last": float(np.median([records[s][-1]["ttft"] for s in seeds if records[s] and records[s][-1]["ttft"]]))
-        if any(records[s] for s in seeds) else math.nan,
+        "ttft_last": float(np.median(last_ttfts)) if last_ttfts else math.nan,
     }
 
 
