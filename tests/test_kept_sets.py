@@ -315,3 +315,24 @@ def test_random_eviction_is_a_seeded_uniform_permutation_and_scores_the_same_in_
     sub = ScoringContext(keys=context.keys[1:3, :, 2:3], values=None, positions=positions[1:3, :, 2:3],
                          candidates=context.candidates[1:3, :, 2:3], current_position=context.current_position, budget=N // 2)
     assert torch.equal(part.score(sub), scores[1:3, :, 2:3])
+
+
+@pytest.mark.parametrize("prompt_length, same", [(8, False), (14, True)])
+def test_h2o_keeps_streamings_entries_when_a_protected_prompt_fills_the_other_half(prompt_length, same):
+    """At B = 24 (H2O's window 12, 4 slots of decode room): a protected prompt of 14 tokens leaves no slot beside the
+    window, so H2O keeps the prompt and the newest tokens, StreamingLLM's set (the results page counts these texts
+    as 'h2o without heavy hitters'); a prompt of 8 leaves 4 heavy-hitter slots and the sets differ."""
+    model = tiny_model("llama")
+    prompt = torch.randint(1, 96, (prompt_length,), generator=torch.Generator().manual_seed(4)).tolist()
+    held = {}
+    for method in ("h2o", "streaming"):
+        cache = trikv.make_cache(model, method, budget=BUDGET, divide_length=SLACK, min_decode_room=4)
+        trikv.generate(model, _Tok(), [prompt], cache=cache, max_new_tokens=NEW, min_new_tokens=NEW)
+        held[method] = cache.visible_positions()[:, 0]
+        assert cache.rounds >= 5
+    assert torch.equal(held["h2o"], held["streaming"]) is same
+    if same:  # the whole prompt, then one unbroken run of the newest tokens, in every layer and KV head
+        for row in held["h2o"].flatten(0, -2).tolist():
+            kept = sorted(p for p in row if p >= 0)
+            newest = [p for p in kept if p >= prompt_length]
+            assert kept[:prompt_length] == list(range(prompt_length)) and newest == list(range(newest[0], newest[-1] + 1))

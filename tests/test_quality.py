@@ -1180,3 +1180,21 @@ def test_prefill_task_compares_compaction_while_prefilling_with_compaction_after
     assert "windows of 200 prompt + 64 teacher-forced tokens" in title and "| 48 | triattention |" in table
     with pytest.raises(ValueError, match=r"budgets \[256\] leave the 200-token prompt nothing to compact"):
         config_from_preset("quick", tasks=["prefill"], budgets=[256], prefill_prompt_tokens=200)
+
+
+def test_the_fidelity_page_counts_protected_prompts_and_h2o_without_heavy_hitters():
+    """At B = 128 with 32 slots of decode room: prompts of 10, 64, 70 and 96 tokens are protected, 97 and 200 are
+    not; H2O's window is 64, so the protected prompts of 64 tokens or more leave it no heavy hitter (64, 70, 96)."""
+    from trikv.benchmarks.quality.pages.summary import protected_prompts
+    from trikv.benchmarks.quality.pages.tables import _compressed_share
+
+    cell = {"positions": 100, "compressed": {"positions": 90}}
+    record = {"config": {"protect_prompt": True, "min_decode_room": 32, "budgets": [128], "methods": ["full", "h2o"]},
+              "results": {"fidelity": {"meta": {"prompt_lengths": [10, 64, 70, 96, 97, 200]},
+                                       "methods": {"full": {"None": cell}, "h2o": {"128": cell}}}}}
+    assert protected_prompts(record, 128) == (4, 6)
+    (row,) = _compressed_share(record, record["results"]["fidelity"]["methods"])
+    assert row[2:] == ["4 / 6", "3 / 6"]
+    record["config"]["protect_prompt"] = False
+    assert protected_prompts(record, 128) == (0, 6)
+    assert _compressed_share(record, record["results"]["fidelity"]["methods"])[0][2:] == ["0 / 6", "0 / 6"]

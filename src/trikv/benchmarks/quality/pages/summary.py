@@ -43,10 +43,25 @@ def model_factors(record: dict) -> dict:
     return factors
 
 
+def protected_prompts(record: dict, budget) -> tuple[int, int] | None:
+    """(texts whose prompt the cache protected at `budget`, texts) of a fidelity run; None where it records no
+    prompt lengths."""
+    from ....selection import prompt_fits
+
+    prompts = ((record["results"].get("fidelity") or {}).get("meta") or {}).get("prompt_lengths")
+    config = record.get("config", {})
+    if not prompts or not str(budget).isdigit():
+        return None
+    import torch
+
+    fits = prompt_fits(torch.tensor(prompts), int(budget), config.get("min_decode_room", 32))
+    return (int(fits.sum()) if config.get("protect_prompt", True) else 0), len(prompts)
+
+
 def model_factor_line(standings: list[dict]) -> str | None:
     """One sentence per model of TriAttention's headline standing beside what differs between the models (size,
-    query concentration of the layers it scores, how many layers compress at all, calibration tokens, trace
-    sampling), best standing first; None with fewer than two models. With a handful of models these differ
+    query concentration of the layers it scores, how many layers compress at all, protected prompts, calibration
+    tokens, trace sampling), best standing first; None with fewer than two models. With a handful of models these differ
     together, and the sentence says so: it describes, it does not attribute."""
     if len({standing["model"] for standing in standings}) < 2:
         return None
@@ -65,6 +80,10 @@ def model_factor_line(standings: list[dict]) -> str | None:
         if "concentration" in factors:
             mean, low, high = factors["concentration"]
             facts.append(f"mean query concentration {mean:.2f} ({low:.2f}-{high:.2f}) over the layers TriAttention scores")
+        protected = protected_prompts(standing["record"], standing["budget"])
+        if protected:
+            facts.append(f"the prompt protected on {protected[0]} of its {protected[1]} texts (a protected prompt takes "
+                         "its slots of the budget from every method alike)")
         if "calibration_tokens" in factors:
             facts.append(f"statistics from {factors['calibration_tokens']:,} calibration tokens")
         if "sampling" in factors:

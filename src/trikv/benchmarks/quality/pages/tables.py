@@ -9,6 +9,7 @@ import math
 
 import torch
 
+from ....policies.h2o import H2O
 from ....selection import prompt_fits
 from .cells import (ORACLE_LABEL, ORACLE_NOTE, budget_grid, format_difference, format_interval, format_value,
                     recall_horizon_labels, render, run_budgets, run_methods, table_cell)
@@ -60,9 +61,14 @@ def _fidelity_sections(record: dict, markdown: bool) -> list[tuple[str, str]]:
     share = _compressed_share(record, table)
     if share:
         room = record.get("config", {}).get("min_decode_room", 32)
+        h2o = "h2o" in run_methods(record)
         out.append(("Fidelity: share of the scored positions that come after the first compression round, and the "
-                    f"texts whose prompt was protected (prompt + {room} slots <= budget, the same for every method)",
-                    render(["budget", "compressed positions / all", "prompt protected"], share, markdown)))
+                    f"texts whose prompt was protected (prompt + {room} slots <= budget, the same for every method)"
+                    + ("; `h2o` without heavy hitters: the texts whose protected prompt leaves no slot beside H2O's recent "
+                       "window (prompt >= budget - window, the window half the budget), where H2O keeps exactly "
+                       "StreamingLLM's entries (prompt + recent tokens) and is not H2O as its paper defines it" if h2o else ""),
+                    render(["budget", "compressed positions / all", "prompt protected", *(["h2o without heavy hitters"] if h2o else [])],
+                           [row if h2o else row[:3] for row in share], markdown)))
     for title, key, digits in FIDELITY_FIGURES[:2]:
         headers, rows = budget_grid(record, table, lambda c, k=key, d=digits: format_difference(
             c.get("vs_triattention", {}).get("compressed", {}).get(k), d),
@@ -93,13 +99,17 @@ def _compressed_share(record: dict, table: dict) -> list[list]:
     for budget in run_budgets(record):
         cell = next((table_cell(table, m, budget) for m in run_methods(record) if m != "full" and table_cell(table, m, budget)), None)
         if cell and cell.get("positions"):
-            protected = "–"
+            protected = heavyless = "–"
             if prompts and budget.isdigit():
                 fits = prompt_fits(torch.tensor(prompts), int(budget), config.get("min_decode_room", 32))
-                count = int(fits.sum()) if config.get("protect_prompt", True) else 0
-                protected = f"{count} / {len(prompts)}"
+                fits = fits & bool(config.get("protect_prompt", True))
+                protected = f"{int(fits.sum())} / {len(prompts)}"
+                # H2O's window is half the budget: a protected prompt at least the other half leaves no heavy hitter
+                no_heavy = fits & (torch.tensor(prompts) >= int(budget) - int(H2O.recent_ratio * int(budget)))
+                heavyless = f"{int(no_heavy.sum())} / {len(prompts)}"
             rows.append([budget, f"{cell['compressed']['positions']} / {cell['positions']} "
-                                 f"({100 * cell['compressed']['positions'] / cell['positions']:.0f}%)", protected])
+                                 f"({100 * cell['compressed']['positions'] / cell['positions']:.0f}%)", protected,
+                         heavyless])
     return rows
 
 
