@@ -1198,3 +1198,21 @@ def test_the_fidelity_page_counts_protected_prompts_and_h2o_without_heavy_hitter
     record["config"]["protect_prompt"] = False
     assert protected_prompts(record, 128) == (0, 6)
     assert _compressed_share(record, record["results"]["fidelity"]["methods"])[0][2:] == ["0 / 6", "0 / 6"]
+
+
+def test_sign_flip_p_and_holm_against_direct_counts():
+    """The sign-flip p-value equals a count over every sign pattern written out with itertools; Holm's rule on a
+    hand example (m = 4, alpha 5%: thresholds 0.0125, 0.0167, 0.025, 0.05)."""
+    import itertools
+
+    from trikv.benchmarks.quality.pages.verdicts import holm_survivors, sign_flip_p
+
+    differences = [0.5, 1.25, -0.25, 2.0, 0.75, -1.0, 1.5]
+    observed = abs(sum(differences))
+    patterns = list(itertools.product((-1, 1), repeat=len(differences)))
+    direct = sum(abs(sum(s * d for s, d in zip(signs, differences))) >= observed for signs in patterns) / len(patterns)
+    assert sign_flip_p(differences) == pytest.approx(direct) and 0 < direct < 1
+    assert sign_flip_p([1.0] * 8) == pytest.approx(2 / 256)  # the smallest an 8-text test can give
+    assert holm_survivors([0.01, 0.04, 0.012, 0.2]) == [True, False, True, False]  # 0.04 > 0.025 stops the rest
+    assert holm_survivors([0.02, 0.001]) == [True, True]  # 0.001 <= 0.025, then 0.02 <= 0.05
+    assert holm_survivors([0.03, 0.03]) == [False, False]  # 0.03 > 0.025: nothing passes

@@ -149,7 +149,7 @@ def render(record: dict, command: str | None = None) -> str:
                      f"{row['top1_agreement']:.3f} | {row['mean_kl']:.4f} |")
     memory = record["memory"]
     lines += ["", "K/V bytes held after filling each context (full attention holds every token; the bounded caches "
-              f"budget + what arrived since the last round):", "",
+              "budget + what arrived since the last round):", "",
               "| context | " + " | ".join(memory["labels"]) + " |", "|---:|" + "---:|" * len(memory["labels"])]
     for context, values in memory["rows"].items():
         lines.append(f"| {int(context):,} | " + " | ".join(f"{_mb(v)} MB" for v in values) + " |")

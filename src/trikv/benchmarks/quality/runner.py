@@ -179,11 +179,11 @@ def validate(config: QualityConfig) -> None:
     if not config.budgets or any(b <= 0 for b in config.budgets):
         raise ValueError("budgets must be positive integers")
     # a repeated name would run (or reuse) the same cell twice and print it as two rows
-    for field in ("tasks", "methods", "budgets"):
-        values = list(getattr(config, field))
+    for name in ("tasks", "methods", "budgets"):
+        values = list(getattr(config, name))
         repeated = [value for index, value in enumerate(values) if value in values[:index]]
         if repeated:
-            raise ValueError(f"{field} given more than once: {', '.join(map(str, dict.fromkeys(repeated)))}")
+            raise ValueError(f"{name} given more than once: {', '.join(map(str, dict.fromkeys(repeated)))}")
     if config.dfs_mode not in ("teacher-forced", "generative", "both"):
         raise ValueError("dfs_mode must be teacher-forced, generative or both")
     from .dfs import DFS_PROMPTS

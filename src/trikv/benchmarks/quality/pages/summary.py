@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 from .cells import run_budgets, run_methods
 from .trace_sets import trace_sampling, trace_set_left_out
-from .verdicts import (HEADLINE, MATH, MIN_VERDICT_UNITS, SECONDARY, kl_ranking, method_role, resampled_units,
-                       verdict_groups)
+from .verdicts import (HEADLINE, MATH, MIN_VERDICT_UNITS, SECONDARY, headline_differences, holm_survivors, kl_ranking,
+                       method_role, resampled_units, sign_flip_p, verdict_groups)
 
 
 def _ordinal(n: int) -> str:
@@ -136,6 +136,7 @@ def summarise_runs(named_records: list[tuple[str, dict]], provenance: dict | Non
     counts = {"leads": 0, "trails": 0, "ties": 0}
     usable_counts = {"leads": 0, "trails": 0, "ties": 0}  # on runs whose inputs stand for what ships now
     published: list[str] = []
+    family: list[tuple[float, float, int]] = []  # (p-value, summed KL difference, texts) of every headline comparison
     for name, record in named_records:
         results = record["results"]
         left_out = trace_set_left_out(record)
@@ -158,6 +159,11 @@ def summarise_runs(named_records: list[tuple[str, dict]], provenance: dict | Non
                         counts[verdict] += len(groups[verdict])
                         if name not in provenance or provenance[name].usable:
                             usable_counts[verdict] += len(groups[verdict])
+                    for method in run_methods(record):
+                        differences = (headline_differences(record, budget, method)
+                                       if method_role(method) == "published" else None)
+                        if differences:
+                            family.append((sign_flip_p(differences), sum(differences), len(differences)))
                     ranking = kl_ranking(record, budget)
                     rank = next(i for i, (m, _) in enumerate(ranking, 1) if m == "triattention") if any(
                         m == "triattention" for m, _ in ranking) else None
@@ -220,7 +226,7 @@ def summarise_runs(named_records: list[tuple[str, dict]], provenance: dict | Non
                      + (f"; on the runs not superseded alone (their inputs, recorded or told by their recorded figures, "
                         f"are the shipped ones) it leads {usable_counts['leads']}, ties {usable_counts['ties']} and trails "
                         f"{usable_counts['trails']}" if usable_counts != counts else "")
-                     + ".")
+                     + "." + _holm_sentence(family))
     lines += details
     sampling = {}
     for name, record in named_records:
@@ -241,6 +247,27 @@ def summarise_runs(named_records: list[tuple[str, dict]], provenance: dict | Non
                      f"comparisons ({0.05 * total:.1f}) would still show a lead or a trail; the comparisons share texts, so "
                      "they are not independent.")
     return RunsSummary(lines, counts, usable_counts, published, what)
+
+
+def _holm_sentence(family: list[tuple[float, float, int]]) -> str:
+    """The headline counts again under Holm's rule over every headline comparison (family-wise 5%), and the
+    comparisons too few texts keep from ever passing it."""
+    if not family:
+        return ""
+    survives = holm_survivors([p for p, _, _ in family])
+    leads = sum(kept and difference > 0 for kept, (_, difference, _) in zip(survives, family))
+    trails = sum(kept and difference < 0 for kept, (_, difference, _) in zip(survives, family))
+    sentence = (f" Holding the family-wise error of these {len(family)} comparisons at 5% (Holm's step-down rule on "
+                f"paired sign-flip tests over texts) instead: it leads {leads}, trails {trails} and ties "
+                f"{len(family) - leads - trails}")
+    first = 0.05 / len(family)
+    short = sorted({texts for _, _, texts in family if 2.0 / 2**texts > first})
+    if short:
+        counted = sum(texts in short for _, _, texts in family)
+        sentence += (f"; {counted} of them rest on {' or '.join(map(str, short))} texts, whose smallest possible p-value "
+                     f"({', '.join(f'{2.0 / 2**t:.4f}' for t in short)}) is above Holm's first threshold ({first:.4f}), so "
+                     "they cannot pass it however large the difference")
+    return sentence + "."
 
 
 def scope_lines(named_records: list[tuple[str, dict]]) -> list[str]:

@@ -58,6 +58,48 @@ def method_role(method: str) -> str:
     return "published"
 
 
+def sign_flip_p(differences: list[float]) -> float:
+    """Two-sided p-value of a paired sign-flip (permutation) test of the summed differences: the share of the
+    2^n sign patterns whose |sum| is at least the observed one (every pattern for n <= 16, else 2^16 drawn ones,
+    seeded). Units are the texts, each paired across the two methods."""
+    import numpy as np
+
+    values = np.asarray(differences, dtype=np.float64)
+    n = values.size
+    if n == 0:
+        return math.nan
+    if n <= 16:
+        patterns = ((np.arange(2**n)[:, None] >> np.arange(n)) & 1) * 2.0 - 1.0  # [2^n, n]
+    else:
+        patterns = np.random.default_rng(0).choice([-1.0, 1.0], size=(2**16, n))
+    observed = abs(values.sum())
+    return float(np.mean(np.abs(patterns @ values) >= observed - 1e-12 * max(observed, 1.0)))
+
+
+def holm_survivors(p_values: list[float], alpha: float = 0.05) -> list[bool]:
+    """Holm's step-down rule: which of the comparisons stay significant with the family-wise error held at
+    `alpha` (the k-th smallest p-value is compared with alpha / (m - k); the first that fails stops the rest)."""
+    order = sorted(range(len(p_values)), key=lambda i: p_values[i])
+    survives = [False] * len(p_values)
+    for rank, index in enumerate(order):
+        if not p_values[index] <= alpha / (len(p_values) - rank):
+            break
+        survives[index] = True
+    return survives
+
+
+def headline_differences(record: dict, budget: str, method: str) -> list[float] | None:
+    """Per text, the method's summed KL minus TriAttention's over the positions where compression acts (the same
+    positions for both), or None where the run keeps no per-text figures."""
+    table = record["results"]["fidelity"]["methods"]
+    cell, reference = table_cell(table, method, budget), table_cell(table, "triattention", budget)
+    try:
+        ours, theirs = reference["per_text"]["compressed"]["kl"], cell["per_text"]["compressed"]["kl"]
+    except (KeyError, TypeError):
+        return None
+    return [a - b for a, b in zip(theirs, ours, strict=True)]
+
+
 HEADLINE = ("fidelity", "KL where compression acts", lambda c: c.get("vs_triattention", {}).get("compressed", {}).get("kl"), False, 4, 1.0)
 SECONDARY = ("recall", "attention recall", lambda c: (c.get("vs_triattention") or {}).get("recall"), True, 3, 1.0)
 MATH = ("math", "pass@1", lambda c: (c.get("vs_triattention") or {}).get("pass@1"), True, 1, 100.0)
