@@ -130,3 +130,27 @@ def test_calibration_length_run_and_page(tmp_path):
                           str(tmp_path / "x")], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--tokens must be positive multiples of 1024, got [1000]" in bad.stderr
 
+
+
+def test_the_calibrate_default_is_the_length_the_committed_runs_find_enough(tmp_path):
+    """`trikv calibrate --text-tokens` defaults to the length docs/calibration.md recommends (computed from the
+    committed runs, two models at least), and a shorter text is calibrated with a warning that says so."""
+    from trikv.benchmarks.calibration_length_report import load_runs
+    from trikv.cli import build_parser
+    from trikv.settings import RECOMMENDED_CALIBRATION_TOKENS
+
+    runs = load_runs(sorted(path for path in (ROOT / "docs" / "runs" / "calibration").iterdir() if path.is_dir()))
+    assert len({run["model"] for run in runs}) >= 2
+    assert RECOMMENDED_CALIBRATION_TOKENS == recommended_tokens(runs)
+    args = build_parser().parse_args(["calibrate", "--text-file", "t.txt", "--out", "s.safetensors"])
+    assert args.text_tokens == RECOMMENDED_CALIBRATION_TOKENS
+    page = (ROOT / "docs" / "calibration.md").read_text()
+    assert f"{RECOMMENDED_CALIBRATION_TOKENS:,}" in page
+    text = tmp_path / "short.txt"
+    text.write_text("The lamp was lit at dusk and put out by dawn. " * 40)
+    done = subprocess.run([sys.executable, "-m", "trikv", "calibrate", "--model", "smollm2-135m", "--text-file", str(text),
+                           "--out", str(tmp_path / "s.safetensors"), "--skip-sanity-check", "--threads", "1"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (f"fewer than the {RECOMMENDED_CALIBRATION_TOKENS:,} that were enough on every model measured "
+            "(docs/calibration.md)") in done.stderr

@@ -28,7 +28,8 @@ from .qk_capture import capture_pre_rope
 
 log = logging.getLogger(__name__)
 
-MIN_CALIBRATION_TOKENS = 1024  # fewer tokens give noisy statistics (the paper uses ~50K; a few thousand suffice)
+MIN_CALIBRATION_TOKENS = 1024  # the shortest length docs/calibration.md measures; `trikv calibrate` warns below its own default
+
 
 STATS_FORMAT = "trikv-query-stats/1"
 _TENSORS = ("q_mean_real", "q_mean_imag", "q_abs_mean")
@@ -318,8 +319,8 @@ def calibrate(
     if token_ids.numel() == 0:
         raise ValueError("calibration text is empty")
     if token_ids.numel() < MIN_CALIBRATION_TOKENS:
-        log.warning("calibrating on %d tokens only: the statistics will be noisy (use at least %d; a few thousand "
-                    "tokens of any text are enough)", token_ids.numel(), MIN_CALIBRATION_TOKENS)
+        log.warning("calibrating on %d tokens only: fewer than the shortest length measured (%d; docs/calibration.md "
+                    "gives the length that was enough)", token_ids.numel(), MIN_CALIBRATION_TOKENS)
     layers = list(range(shape.num_layers)) if all_layers else list(shape.cached_layers)
     accumulator = StatsAccumulator(shape, geometry, layers)
     device = next(model.parameters()).device

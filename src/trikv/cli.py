@@ -8,7 +8,8 @@ import sys
 import time
 from pathlib import Path
 
-from .settings import DEFAULT_BUDGET, DEFAULT_DIVIDE_LENGTH, DEFAULT_PREFILL_CHUNK_SIZE, DEMO_SAMPLING  # numbers only
+from .settings import (DEFAULT_BUDGET, DEFAULT_DIVIDE_LENGTH, DEFAULT_PREFILL_CHUNK_SIZE, DEMO_SAMPLING,  # numbers only
+                       RECOMMENDED_CALIBRATION_TOKENS)
 from .threads import add_threads_argument, apply_threads
 
 
@@ -17,7 +18,9 @@ def _add_calibrate(sub) -> None:
     add_model_arguments(p)
     p.add_argument("--text-file", required=True, help="plain-text file to calibrate on")
     p.add_argument("--out", required=True, help="output .safetensors file")
-    p.add_argument("--text-tokens", type=int, default=50_000, help="use at most this many tokens of the text")
+    p.add_argument("--text-tokens", type=int, default=RECOMMENDED_CALIBRATION_TOKENS,
+                   help=f"use at most this many tokens of the text (default {RECOMMENDED_CALIBRATION_TOKENS:,}: the length "
+                        "docs/calibration.md measures as enough on every model it ran; more does no harm)")
     p.add_argument("--chunk-tokens", type=int, default=2048, help="tokens per forward pass (default 2048)")
     p.add_argument("--source", help="description of the text stored in the metadata (default: the file name)")
     p.add_argument("--all-layers", action="store_true",
@@ -33,7 +36,6 @@ def cmd_calibrate(args) -> int:
     import torch
 
     from .calibration import calibrate
-    from .models import load_model
     from .prompts import document_ids
     from .validation import integer
 
@@ -60,6 +62,10 @@ def cmd_calibrate(args) -> int:
         except ModelSanityError as error:
             sys.exit(f"trikv calibrate: {error} (--skip-sanity-check to calibrate anyway)")
     ids = torch.tensor(document_ids(tokenizer, text)[: args.text_tokens])
+    if ids.numel() < RECOMMENDED_CALIBRATION_TOKENS:
+        print(f"trikv calibrate: warning: calibrating on {ids.numel():,} tokens, fewer than the "
+              f"{RECOMMENDED_CALIBRATION_TOKENS:,} that were enough on every model measured (docs/calibration.md): "
+              "the statistics may depend on which text this was", file=sys.stderr)
     started = time.perf_counter()
     stats = calibrate(model, ids, source=args.source or text_path.name, chunk_tokens=args.chunk_tokens, model_name=args.model,
                       all_layers=args.all_layers)
@@ -179,9 +185,9 @@ def cmd_generate(args) -> int:
     from .calibration import load_stats
     from .generation import generate
     from .models import REGISTRY as MODELS
-    from .models import check_model_name, load_model
+    from .models import check_model_name
     from .policies import REGISTRY
-    from .validation import integer, positive, probability
+    from .validation import integer
 
     if (args.prompt is None) == (args.prompt_file is None):
         sys.exit("trikv generate: give exactly one of --prompt and --prompt-file")
@@ -277,7 +283,7 @@ def cmd_chat(args) -> int:
     from .models import check_model_name
     from .policies import REGISTRY
     from .session import Session, full_attention_bytes
-    from .validation import integer, positive, probability
+    from .validation import integer
 
     if args.method not in REGISTRY:
         sys.exit(f"trikv chat: unknown method {args.method!r}; available: {', '.join(REGISTRY)}")

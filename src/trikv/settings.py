@@ -10,6 +10,7 @@ when the cache reaches B + beta), the prompt protected while it leaves `min_deco
 budget for generated tokens, prompts longer than B + beta prefilled in chunks of `prefill_chunk_size` = 512
 tokens with a round between chunks (so a request never holds more than B + beta + 512 entries per (layer, KV
 head), whatever its prompt's length), and at most 256 MiB of transient memory per vLLM worker in a round.
+Beside them, the calibration length `trikv calibrate` reads by default (measured: docs/calibration.md).
 """
 
 from __future__ import annotations
@@ -36,6 +37,10 @@ DEFAULT_MIN_DECODE_ROOM = 32
 DEFAULT_PREFILL_CHUNK_SIZE = 512
 DEMO_SAMPLING = (0.9, 0.95, 0)  # `trikv demo`'s temperature, top-p and seed (why: trikv/demo.py, DEFAULT_PROMPT)
 DEFAULT_ROUND_WORKSPACE_BYTES = 256 * 2**20
+# The calibration length docs/calibration.md finds enough on every model it measured (`trikv bench
+# calibration-length-report` computes it from docs/runs/calibration; a test keeps this number equal to it):
+# `trikv calibrate` reads this many tokens of its text by default and warns below it.
+RECOMMENDED_CALIBRATION_TOKENS = 5120
 
 
 def is_default(value) -> bool:

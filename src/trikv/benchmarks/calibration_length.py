@@ -163,6 +163,9 @@ def measure(model, tokenizer, model_name: str, sizes: list[int], slices: int, bu
     from .quality.fidelity import FidelitySuite
     from .quality.traces import DESIGN_PROBLEMS, EVALUATION_PROBLEMS
 
+    from .agent.cli import code_version
+
+    code = code_version()  # the code that runs now (a commit made while it runs must not be recorded as its)
     exclude = set(EVALUATION_PROBLEMS) | set(DESIGN_PROBLEMS)
     pool = torch.tensor(document_ids(tokenizer, pool_text(exclude)))
     names, ids, prompts = trace_texts(model_name, tokenizer, trace_tokens, traces)
@@ -212,8 +215,6 @@ def measure(model, tokenizer, model_name: str, sizes: list[int], slices: int, bu
                                  "source": shipped.metadata.get("calibration_source")}
     bar.update(1)
     bar.close()
-    from .agent.cli import code_version
-
     result = {
         "format": FORMAT, "command": command, "model": model_name, "budget": budget, "divide_length": divide_length,
         "block_tokens": BLOCK_TOKENS, "slices": slices,
@@ -222,7 +223,7 @@ def measure(model, tokenizer, model_name: str, sizes: list[int], slices: int, bu
                              "excluded_rows": sorted(exclude)},
         "traces": {"names": names, "trace_tokens": trace_tokens, "prompt_lengths": prompts},
         "cells": cells, "kept_agreement": agreement, "references": references,
-        "calibration_seconds": calibration_seconds, "code": code_version(),
+        "calibration_seconds": calibration_seconds, "code": code,
         "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
     }
     out.mkdir(parents=True, exist_ok=True)
