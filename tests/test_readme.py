@@ -20,7 +20,6 @@ import os
 import re
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -344,8 +343,7 @@ def _free_port() -> int:
 @contextlib.contextmanager
 def _background_server(rule: Snippet, port: int, scratch: Path, env: dict):
     """The page's server command (`rule.server`) running on `port` until it answers GET /health; stopped after."""
-    import time
-    import urllib.request
+    from trikv.benchmarks.serving_engine import stop_server, wait_ready
 
     (command,) = [command for command in shell_commands() if re.fullmatch(rule.server, command)]
     line = f"{command} --port {port} {rule.server_args}"
@@ -355,27 +353,10 @@ def _background_server(rule: Snippet, port: int, scratch: Path, env: dict):
         server = subprocess.Popen(["bash", "-c", f"exec {line}"], cwd=scratch, env=path, stdout=log,
                                   stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        deadline = time.time() + 400
-        while True:
-            assert server.poll() is None, f"{line!r} exited:\n{log_path.read_text()[-4000:]}"
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                pass
-            assert time.time() < deadline, f"{line!r} not ready:\n{log_path.read_text()[-4000:]}"
-            time.sleep(2)
+        wait_ready(server, port, log_path, timeout=400)
         yield
     finally:
-        with contextlib.suppress(ProcessLookupError):  # a server that exited by itself has no group left
-            os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
+        stop_server(server)
 
 
 def test_readme_figures_are_what_the_run_files_give(tmp_path):

@@ -1196,12 +1196,11 @@ def test_http_server_streams_a_chat_completion_with_the_bounded_cache(tmp_path):
     whose prompt the pool cannot hold gets HTTP 400 with the reason, a shorter one is served, GET /trikv/stats reports
     the most blocks a bounded request held (within its bound); a short soak leaves no per-request state; `trikv bench
     serve --modes http --url` measures this server and `trikv bench serve-report` renders its run."""
-    import time
     import urllib.request
 
     import openai
 
-    from trikv.benchmarks.serving_engine import stop_server
+    from trikv.benchmarks.serving_engine import stop_server, wait_ready
 
     port = _free_port()
     log_path = tmp_path / "server.log"
@@ -1213,17 +1212,7 @@ def test_http_server_streams_a_chat_completion_with_the_bounded_cache(tmp_path):
         server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
                                   start_new_session=True)
     try:
-        deadline = time.time() + 300
-        while True:
-            assert server.poll() is None, f"server exited:\n{log_path.read_text()[-4000:]}"
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                pass
-            assert time.time() < deadline, f"server not ready:\n{log_path.read_text()[-4000:]}"
-            time.sleep(2)
+        wait_ready(server, port, log_path, timeout=300)
         body = {"model": "smollm2-135m", "stream": True, "max_tokens": 120, "min_tokens": 120, "temperature": 0,
                 "messages": [{"role": "user", "content": "Tell me a long story about a lighthouse keeper."}]}
         request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=json.dumps(body).encode(),

@@ -381,11 +381,14 @@ def stop_server(server) -> None:
     import signal
     import subprocess
 
+    if server.poll() is not None:
+        return  # it exited by itself: no group is left to signal
     os.killpg(server.pid, signal.SIGTERM)
     try:
         server.wait(timeout=60)
     except subprocess.TimeoutExpired:
         os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
 
 
 def run(spec: dict) -> dict:
