@@ -10,6 +10,22 @@ from __future__ import annotations
 import math
 
 
+def protected_mask(record: dict, budget):
+    """([texts] bool tensor: the prompts the cache protected at `budget`, [texts] long tensor: the prompt lengths)
+    of a fidelity run (one rule for every method), or None where it records no prompt lengths."""
+    import torch
+
+    from ....selection import prompt_fits
+
+    prompts = ((record["results"].get("fidelity") or {}).get("meta") or {}).get("prompt_lengths")
+    config = record.get("config", {})
+    if not prompts or not str(budget).isdigit():
+        return None
+    lengths = torch.tensor(prompts)
+    fits = prompt_fits(lengths, int(budget), config.get("min_decode_room", 32))
+    return fits & bool(config.get("protect_prompt", True)), lengths
+
+
 def format_value(value, digits: int = 3) -> str:
     """A figure as the tables print it: – where missing or NaN, fewer decimals from 100 up."""
     if value is None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .cells import run_budgets, run_methods
+from .cells import protected_mask, run_budgets, run_methods
 from .trace_sets import trace_sampling, trace_set_left_out
 from .verdicts import (HEADLINE, MATH, MIN_VERDICT_UNITS, SECONDARY, headline_differences, holm_survivors, kl_ranking,
                        method_role, resampled_units, sign_flip_p, verdict_groups)
@@ -46,16 +46,8 @@ def model_factors(record: dict) -> dict:
 def protected_prompts(record: dict, budget) -> tuple[int, int] | None:
     """(texts whose prompt the cache protected at `budget`, texts) of a fidelity run; None where it records no
     prompt lengths."""
-    from ....selection import prompt_fits
-
-    prompts = ((record["results"].get("fidelity") or {}).get("meta") or {}).get("prompt_lengths")
-    config = record.get("config", {})
-    if not prompts or not str(budget).isdigit():
-        return None
-    import torch
-
-    fits = prompt_fits(torch.tensor(prompts), int(budget), config.get("min_decode_room", 32))
-    return (int(fits.sum()) if config.get("protect_prompt", True) else 0), len(prompts)
+    mask = protected_mask(record, budget)
+    return None if mask is None else (int(mask[0].sum()), len(mask[1]))
 
 
 def model_factor_line(standings: list[dict]) -> str | None:

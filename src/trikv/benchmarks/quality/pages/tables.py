@@ -7,12 +7,9 @@ from __future__ import annotations
 
 import math
 
-import torch
-
 from ....policies.h2o import H2O
-from ....selection import prompt_fits
 from .cells import (ORACLE_LABEL, ORACLE_NOTE, budget_grid, format_difference, format_interval, format_value,
-                    recall_horizon_labels, render, run_budgets, run_methods, table_cell)
+                    protected_mask, recall_horizon_labels, render, run_budgets, run_methods, table_cell)
 from .verdicts import diagnosis, paired_counts, sign_test
 
 
@@ -93,20 +90,18 @@ def _fidelity_sections(record: dict, markdown: bool) -> list[tuple[str, str]]:
 def _compressed_share(record: dict, table: dict) -> list[list]:
     """Per budget: the scored positions after the first round, and the texts whose prompt was protected (one
     rule for every method, so one figure per budget)."""
-    prompts = record["results"]["fidelity"]["meta"].get("prompt_lengths") or []
-    config = record.get("config", {})
     rows = []
     for budget in run_budgets(record):
         cell = next((table_cell(table, m, budget) for m in run_methods(record) if m != "full" and table_cell(table, m, budget)), None)
         if cell and cell.get("positions"):
             protected = heavyless = "–"
-            if prompts and budget.isdigit():
-                fits = prompt_fits(torch.tensor(prompts), int(budget), config.get("min_decode_room", 32))
-                fits = fits & bool(config.get("protect_prompt", True))
-                protected = f"{int(fits.sum())} / {len(prompts)}"
+            prompts = protected_mask(record, budget)
+            if prompts is not None:
+                fits, lengths = prompts
+                protected = f"{int(fits.sum())} / {len(lengths)}"
                 # H2O's window is half the budget: a protected prompt at least the other half leaves no heavy hitter
-                no_heavy = fits & (torch.tensor(prompts) >= int(budget) - int(H2O.recent_ratio * int(budget)))
-                heavyless = f"{int(no_heavy.sum())} / {len(prompts)}"
+                no_heavy = fits & (lengths >= int(budget) - int(H2O.recent_ratio * int(budget)))
+                heavyless = f"{int(no_heavy.sum())} / {len(lengths)}"
             rows.append([budget, f"{cell['compressed']['positions']} / {cell['positions']} "
                                  f"({100 * cell['compressed']['positions'] / cell['positions']:.0f}%)", protected,
                          heavyless])
