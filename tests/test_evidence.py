@@ -617,18 +617,18 @@ def test_scope_is_computed_from_the_runs_and_names_withdrawn_figures():
 
 
 def test_page_lists_every_shipped_trace_set_with_its_headline_verdict(tmp_path, monkeypatch):
-    from trikv.benchmarks.quality import traces
+    from trikv.benchmarks.quality import traces, validity
     from trikv.benchmarks.quality.pages.trace_sets import shipped_trace_validity
 
     monkeypatch.setattr(traces, "TRACES_DIR", tmp_path)
 
-    def row(name, split, valid, compression, repeat_share, attempts=2, rejected=0, rule="masked", source="s", sampling=None):
-        validity = {"tokens": 2048, "compression": compression + 0.05, "longest_repeat": int(6000 * repeat_share),
-                    "repeat_share": repeat_share, "attempts": attempts, "rejected": rejected, "valid": valid}
+    def row(name, split, valid, compression, repeat_share, attempts=2, rejected=0, rule=validity.RULE, source="s", sampling=None):
+        figures = {"tokens": 2048, "compression": compression + 0.05, "longest_repeat": int(6000 * repeat_share),
+                   "repeat_share": repeat_share, "attempts": attempts, "rejected": rejected, "valid": valid}
         if rule:  # figures of the current rule; files judged under the earlier one lack them
-            validity |= {"masked_compression": compression, "template_share": repeat_share / 2, "rule": rule}
+            figures |= {"masked_compression": compression, "template_share": repeat_share / 2, "rule": rule}
         return json.dumps({"name": name, "split": split, "prompt": "p", "text": "t", "tokens": 2048, "seeds": [0],
-                           "source": source, "validity": validity} | ({"sampling": sampling} if sampling else {}))
+                           "source": source, "validity": figures} | ({"sampling": sampling} if sampling else {}))
 
     # 3 of 4 valid (75%: enters), 2 of 3 valid (67%: does not), a design set (never in a headline), a set judged under
     # the earlier rule (never in a headline until judged again)

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from trikv.benchmarks.quality import concentration, intervals, provenance, traces
+from trikv.benchmarks.quality import concentration, intervals, provenance, traces, validity
 from trikv.benchmarks.quality.texts import texts_sha256
 
 
@@ -16,7 +16,8 @@ def _trace_row(name, text, valid=True, compression=0.2):
     return {"name": name, "split": "evaluation", "prompt": f"p {name}", "text": text, "tokens": 2100, "seeds": [0],
             "source": "s", "validity": {"tokens": 2100, "compression": compression, "longest_repeat": 10, "repeat_share": 0.01,
                                         "attempts": 1, "rejected": 0, "valid": valid, "masked_compression": 0.2,
-                                        "template_share": 0.0, "rule": "masked"}}
+                                        "template_share": 0.0, "rule": validity.RULE,
+                                        "line_variety": 1.0}}
 
 
 @pytest.fixture
@@ -53,6 +54,19 @@ def test_a_run_is_current_only_when_it_fed_the_shipped_texts(shipped):
     assert any("commit `aaaaaaaaaa`, no uncommitted change" in line and "2 thread(s)" in line for line in current.lines)
     other = provenance.run_provenance(_fidelity_record(shipped[:2], fingerprint=_fingerprint("0" * 64)))
     assert other.status == provenance.SUPERSEDED and "not the ones that ship now" in other.reasons[0]
+    assert len(other.reasons) == 1 and "--redo-invalid" not in provenance.rerun_line("x", _fidelity_record(shipped[:2]), other)
+    # a run that fed a trace the shipped file now judges a loop (the rule changed since): named, and its rerun line
+    # says to write that trace again first, with the set's own sampling
+    loop_fed = _fidelity_record(shipped, fingerprint=_fingerprint("0" * 64))
+    judged_again = provenance.run_provenance(loop_fed)
+    assert judged_again.reasons == ["the texts it fed are not the ones that ship now",
+                                    "1 of the 3 traces it fed fails the current validity rule (math500-408)"]
+    assert judged_again.tag() == ("superseded: the texts it fed are not the ones that ship now; 1 of the 3 traces it fed "
+                                  "fails the current validity rule (math500-408); rerun pending")
+    line = provenance.rerun_line("x", loop_fed, judged_again)
+    assert ("First write the traces that fail the rule again: `python -m trikv.benchmarks.quality.traces --model tiny "
+            "--split evaluation --redo-invalid --ship` with the set's own sampling (not recorded) and dtype. Rerun: "
+            "`trikv bench quality --model tiny --out runs/x --fresh`") in line
 
 
 def test_a_run_without_fingerprint_is_unrecorded_at_best(shipped):

@@ -25,10 +25,14 @@ def test_thresholds_are_derived_from_the_shipped_human_texts():
     assert derived["max_repeat_share"] == validity.MAX_REPEAT_SHARE
     assert validity.MIN_MASKED_COMPRESSION == round(validity.COMPRESSION_FACTOR * derived["human_min_masked_compression"], 3)
     assert validity.MAX_REPEAT_SHARE == round(validity.REPEAT_FACTOR * derived["human_max_repeat_share"], 3)
+    assert derived["human_min_line_variety"] == pytest.approx(validity.HUMAN_MIN_LINE_VARIETY, abs=5e-5)
+    assert derived["min_line_variety"] == validity.MIN_LINE_VARIETY
+    assert validity.MIN_LINE_VARIETY == round(validity.LINE_VARIETY_FACTOR * derived["human_min_line_variety"], 3)
     # the anchors are extremes over every window, so every human window passes with the factor's margin
     for name, start, window in validity.human_windows():
         compression, _, share = validity.masked_figures(window)
         assert compression >= 2 * validity.MIN_MASKED_COMPRESSION - 1e-3 and share <= validity.MAX_REPEAT_SHARE / 2 + 1e-3
+        assert validity.line_variety(window) >= 2 * validity.MIN_LINE_VARIETY - 1e-3
 
 
 def test_derivation_follows_the_human_text_it_is_given():
@@ -72,6 +76,56 @@ def test_a_short_trace_is_not_valid_and_old_figures_are_told_apart():
     human = validity.human_windows()[0][2]
     assert validity.trace_validity(human, [], attempts=1, tokens=2048, min_tokens=2048).valid
     short = validity.trace_validity(human, [], attempts=1, tokens=2000, min_tokens=2048)
-    assert not short.valid and short.as_dict()["rule"] == "masked"
+    assert not short.valid and short.as_dict()["rule"] == validity.RULE
     assert validity.judged_by_this_rule(short.as_dict())
     assert not validity.judged_by_this_rule({"tokens": 2048, "compression": 0.2, "valid": True})
+
+
+def _slow_line_variety(text: str, window: int) -> float:
+    """Every window of `window` non-blank lines, each line reduced by hand: digits to one 0, `$` removed, spaces
+    collapsed; the least share of distinct lines."""
+    import re
+
+    lines = [" ".join(re.sub(r"[0-9]+", "0", line).replace("$", " ").split()) for line in text.split("\n")]
+    lines = [line for line in lines if line]
+    if len(lines) < window:
+        return 1.0
+    return min(len(set(lines[i : i + window])) for i in range(len(lines) - window + 1)) / window
+
+
+def test_line_variety_equals_a_direct_count_over_every_window():
+    assert validity.line_template("  $$187_b^2 +  60_b$$ ") == "0_b^0 + 0_b"
+    human = next(window for name, _, window in validity.human_windows() if name == "math-solutions")
+    loop = "\n\n".join(f"${x}=${i % 3}$" if i % 2 else f"$${x}={i}$$" for i, x in enumerate("xyxxyyxyxy" * 5))
+    for text in (human, human[:2000] + "\n" + loop + "\n" + human[2000:4000], loop, "one line\ntwo lines"):
+        for window in (5, 40):
+            assert validity.line_variety(text, window) == pytest.approx(_slow_line_variety(text, window)), (window, text[:80])
+    assert validity.line_variety("one line\ntwo lines") == 1.0  # too few lines to judge
+
+
+# loops of short lines (their lines differ in digits, `$` delimiters and blank lines) that the masked rule passed:
+# the shipped traces a review named, judged again under this rule
+SHORT_LINE_LOOPS = [("gemma3-270m", "aime25-0"), ("gemma3-270m", "aime25-2"), ("gemma3-270m", "math500-418"),
+                    ("smollm2-135m", "math500-423")]
+
+
+@pytest.mark.parametrize("model,name", SHORT_LINE_LOOPS, ids=[f"{m}-{n}" for m, n in SHORT_LINE_LOOPS])
+def test_loops_of_short_lines_the_masked_rule_passed_fail_this_one(model, name):
+    from trikv.benchmarks.quality.traces import load_traces
+
+    trace = next(t for t in load_traces(model, "evaluation") if t.name == name)
+    compression, _, share = validity.masked_figures(trace.text)
+    assert compression >= validity.MIN_MASKED_COMPRESSION and share <= validity.MAX_REPEAT_SHARE  # the masked rule's pass
+    figures = validity.trace_validity(trace.text, [], attempts=1, tokens=trace.tokens, min_tokens=2048)
+    assert figures.line_variety < validity.MIN_LINE_VARIETY and not figures.valid
+    assert trace.validity["rule"] == validity.RULE and not trace.validity["valid"]  # the shipped file says so too
+
+
+def test_an_attempt_that_loops_in_short_lines_is_rejected_while_writing():
+    human = next(window for name, _, window in validity.human_windows() if name == "math-solutions")
+    reasoning = human[:3000]
+    loop = "\n\n".join(f"$x={i % 7}$" if i % 3 else f"$$y={i}$$" for i in range(60))
+    assert validity.line_variety(reasoning + "\n" + loop) < validity.MIN_LINE_VARIETY
+    ids = list(range(900))
+    assert validity.attempt_is_loop(reasoning + "\n" + loop, ids, trace_tokens=2048)
+    assert not validity.attempt_is_loop(human, ids, trace_tokens=2048)

@@ -39,7 +39,7 @@ class Provenance:
         if self.status == UNRECORDED:
             return ("fingerprint not recorded, its recorded inputs consistent with the shipped ones" if self.checked
                     else "fingerprint not recorded")
-        return f"superseded: {self.reasons[0]}; rerun pending"
+        return f"superseded: {'; '.join(self.reasons)}; rerun pending"
 
 
 def shipped_fidelity_inputs(record: dict) -> dict | None:
@@ -129,6 +129,9 @@ def run_provenance(record: dict) -> Provenance:
                 lines.append(f"the texts it fed are the ones that ship now (sha256 `{fed[:12]}`)")
             else:
                 reasons.append("the texts it fed are not the ones that ship now")
+                rejected = _rejected_now(results, shipped)
+                if rejected:  # the shipped files judge some of the fed traces again: say which
+                    reasons.append(rejected)
     else:
         unrecorded = True
         lines.append("fingerprint: not recorded (made before cells recorded one): the code commit, and the thread count "
@@ -143,8 +146,7 @@ def run_provenance(record: dict) -> Provenance:
             fed = [name for name in results["fidelity"]["meta"]["texts"] if name in validity]
             rejected = [name for name in fed if name in shipped["all_traces"] and name not in shipped["traces"]]
             if rejected:
-                reasons.append(f"{len(rejected)} of the {len(fed)} traces it fed {'fails' if len(rejected) == 1 else 'fail'} "
-                               f"the current validity rule ({', '.join(rejected)})")
+                reasons.append(_rejected_now(results, shipped))
             missing = [name for name in shipped["traces"] if name not in fed]
             if missing:
                 reasons.append(f"it did not feed {len(missing)} trace(s) that ship now ({', '.join(missing)})")
@@ -164,6 +166,25 @@ def run_provenance(record: dict) -> Provenance:
     return Provenance(status, lines, reasons, checked)
 
 
+def _rejected_now(results: dict, shipped: dict) -> str | None:
+    """'k of the n traces it fed fail the current validity rule (names)', or None when every fed trace passes it."""
+    validity = results["fidelity"]["meta"].get("trace_validity") or {}
+    fed = [name for name in results["fidelity"]["meta"]["texts"] if name in validity]
+    rejected = [name for name in fed if name in shipped["all_traces"] and name not in shipped["traces"]]
+    if not rejected:
+        return None
+    return (f"{len(rejected)} of the {len(fed)} traces it fed {'fails' if len(rejected) == 1 else 'fail'} the current "
+            f"validity rule ({', '.join(rejected)})")
+
+
+def _set_sampling(model: str, split: str) -> str:
+    """How a shipped trace set was sampled, as the page labels it ('T 1.0, top-p 0.95, top-k 64')."""
+    from .traces import load_traces, sampling_label
+
+    labels = sorted({sampling_label(trace.sampling_settings()) for trace in load_traces(model, split)})
+    return " / ".join(labels)
+
+
 def _same_figures(recorded: dict | None, trace) -> bool:
     shipped = trace.validity or {}
     return bool(recorded) and recorded.get("tokens") == shipped.get("tokens") and abs(
@@ -176,6 +197,15 @@ def rerun_line(name: str, record: dict, provenance: Provenance) -> str | None:
         return None
     minutes = record.get("compute_seconds", record["wall_seconds"]) / 60
     why = "; ".join(provenance.reasons) if provenance.reasons else "to record its fingerprint"
-    return (f"`{name}` ({record['model']['name']}): {provenance.status} ({why}). Rerun: `{record['command']} --fresh` "
+    first = ""
+    config = record.get("config", {})
+    if config.get("traces") and any("fail the current validity rule" in reason or "fails the current validity rule" in reason
+                                    for reason in provenance.reasons):
+        # the traces the rule rejects are written again first (fresh seeds, the set's own sampling), so that the rerun
+        # feeds the whole set rather than what is left of it
+        first = (f"First write the traces that fail the rule again: `python -m trikv.benchmarks.quality.traces --model "
+                 f"{config['model']} --split {config['traces']} --redo-invalid --ship` with the set's own sampling "
+                 f"({_set_sampling(config['model'], config['traces'])}) and dtype. ")
+    return (f"`{name}` ({record['model']['name']}): {provenance.status} ({why}). {first}Rerun: `{record['command']} --fresh` "
             f"(its cells took {minutes:.0f} min of compute at {record['environment']['threads']} thread(s) on "
             f"{record['environment']['device']})")

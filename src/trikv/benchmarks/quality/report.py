@@ -175,8 +175,9 @@ def write_report(folders: list[str | Path], out: str | Path, title: str = DEFAUL
 
         lines += ["## Reasoning traces: validity of every shipped set", "",
                   f"Rule: {RULE_TEXT}. The thresholds are derived from the human texts alone "
-                  "(`validity.derive_thresholds`, pinned by a test); the rule was committed before any trace set was "
-                  "judged under it. Computed from the shipped trace files (`src/trikv/benchmarks/quality/data/traces/`); "
+                  "(`validity.derive_thresholds`, pinned by a test), never from traces; which figures the rule "
+                  "tests was chosen after loops had been seen among the traces (`validity.py` says which and how). "
+                  "Computed from the shipped trace files (`src/trikv/benchmarks/quality/data/traces/`); "
                   "each run below repeats the figures of the traces it fed.", "", validity_table, ""]
         near = near_threshold_traces()
         if near:

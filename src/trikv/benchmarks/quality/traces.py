@@ -327,6 +327,7 @@ def main(argv: list[str] | None = None) -> None:
         figures = trace.validity
         print(f"{trace.name}: {trace.tokens} tokens in {len(trace.seeds)} attempt(s) ({len(trace.rejected_seeds)} rejected); "
               f"masked compression {figures['masked_compression']:.3f}, longest masked repeat {figures['repeat_share']:.1%}, "
+              f"least line variety {figures['line_variety']:.1%}, "
               f"repeated line templates {figures['template_share']:.1%}: " + ("valid" if figures["valid"] else "NOT valid"))
     print(f"{sum(t.valid for t in traces)} of {len(traces)} valid ({RULE_TEXT})")
     if out is not None:

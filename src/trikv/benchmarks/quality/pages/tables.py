@@ -192,9 +192,9 @@ def _composition_sections(record: dict, markdown: bool) -> list[tuple[str, str]]
 
 def _validity_sections(record: dict, markdown: bool) -> list[tuple[str, str]]:
     """The validity figures of the traces the run fed, as the run recorded them, and each trace's verdict under the
-    current rule where the shipped file holds it (a run judged under the earlier rule says so)."""
+    current rule where the shipped file holds it (a run judged under an earlier rule says which)."""
     from ..traces import load_traces
-    from ..validity import judged_by_this_rule
+    from ..validity import EARLIER_RULES, judged_by_this_rule
 
     meta = record["results"].get("fidelity", {}).get("meta", {})
     validity = meta.get("trace_validity")
@@ -205,7 +205,8 @@ def _validity_sections(record: dict, markdown: bool) -> list[tuple[str, str]]:
     except (FileNotFoundError, ValueError, KeyError):
         shipped = {}
     current = lambda name: ("yes" if shipped[name]["valid"] else "**no**") if judged_by_this_rule(shipped.get(name)) else "–"  # noqa: E731
-    earlier = any(figures and not judged_by_this_rule(figures) for figures in validity.values())
+    earlier = sorted({figures.get("rule") for figures in validity.values() if figures and not judged_by_this_rule(figures)},
+                     key=str)
     rows = []
     for name, figures in validity.items():
         if not figures:
@@ -213,11 +214,11 @@ def _validity_sections(record: dict, markdown: bool) -> list[tuple[str, str]]:
         masked = figures.get("masked_compression")
         rows.append([name, figures["tokens"], figures["attempts"], figures["rejected"], format_value(figures["compression"]),
                      format_value(masked) if masked is not None else "–",
-                     f"{100 * figures['repeat_share']:.1f}%" + (" (tokens)" if not judged_by_this_rule(figures) else ""),
+                     f"{100 * figures['repeat_share']:.1f}%" + (" (tokens)" if figures.get("rule") is None else ""),
                      "yes" if figures["valid"] else "**no**", current(name), "yes" if name in meta["texts"] else "no"])
     title = ("Reasoning traces the run fed: validity as the run recorded it"
-             + (" (under the earlier rule: zlib ratio of the text as written >= 0.12, longest repeated token run <= 10%; "
-                "digits not masked)" if earlier else "") + ", and under the current rule (the shipped file's verdict)")
+             + "".join(f" (under an earlier rule: {EARLIER_RULES.get(rule, rule)})" for rule in earlier)
+             + ", and under the current rule (the shipped file's verdict)")
     return [(title, render(["trace", "tokens", "answers glued", "rejected as loops", "zlib ratio", "masked zlib ratio",
                             "longest repeat", "valid (as recorded)", "valid (current rule)", "fed"], rows, markdown))]
 
