@@ -282,3 +282,36 @@ def test_the_no_context_control_asks_each_question_alone(tokenizer, tiny_chat, m
     assert [message for message, _ in sent] == [m.question.text for m in session.messages]
     assert all(turns == 0 for _, turns in sent) and "Tool result" not in "".join(m for m, _ in sent)
     assert len(result["records"]) == len(session.messages) and result["error"] is None
+
+
+def _timed_cell(ttfts: list[float], prompt_tokens: list[int] | None = None, cached: list[int] | None = None) -> dict:
+    """A cell whose messages took `ttfts`; on vLLM each message also records the prompt tokens sent and cached."""
+    records = []
+    for index, ttft in enumerate(ttfts):
+        record = {"ttft": ttft, "tokens": 100 * (index + 1), "right": True, "agrees": True, "distance": 0,
+                  "peak_bytes": 1}
+        if prompt_tokens is not None:
+            record |= {"prompt_tokens": prompt_tokens[index], "cached_tokens": cached[index]}
+        records.append(record)
+    return {"records": records, "error": None}
+
+
+def test_session_reuse_targets_compare_each_session_with_the_transformers_session():
+    from trikv.benchmarks.agent.report import reuse_comparison, reuse_targets
+
+    conversation = [100, 200, 300]  # the prompt each message sends: the whole conversation so far
+    runs = {"transformers": {"triattention": {0: _timed_cell([1.0, 0.5, 0.4]), 1: _timed_cell([1.0, 0.5, 0.5])}},
+            # reuse: only each message's new 100 tokens are computed (300 of a 300-token conversation)
+            "vllm": {"triattention": {0: _timed_cell([1.2, 0.6, 0.7], conversation, [0, 100, 200]),
+                                      1: _timed_cell([1.2, 0.6, 0.9], conversation, [0, 100, 200])}},
+            # stateless: everything again (600 of 300)
+            "vllm-stateless": {"triattention": {0: _timed_cell([1.2, 2.0, 3.0], conversation, [0, 0, 0])}}}
+    rows = reuse_comparison(runs)
+    assert [r["seed"] for r in rows] == [0, 1]
+    assert rows[0]["reuse_last"] == 0.7 and rows[0]["transformers_last"] == 0.4 and rows[0]["stateless_last"] == 3.0
+    assert rows[0]["reuse_prefill"] == pytest.approx(1.0) and rows[0]["stateless_prefill"] == pytest.approx(2.0)
+    assert rows[1]["stateless_prefill"] != rows[1]["stateless_prefill"]  # not run: NaN
+    assert [ok for _, ok in reuse_targets(rows)] == [True, True]  # 0.7 <= 2 x 0.4, 0.9 <= 2 x 0.5; 1.0 <= 1.5
+    runs["vllm"]["triattention"][1] = _timed_cell([1.2, 0.6, 1.1], conversation, [0, 0, 0])  # 1.1 > 2 x 0.5; 2.0 > 1.5
+    assert [ok for _, ok in reuse_targets(reuse_comparison(runs))] == [False, False]
+    assert [ok for _, ok in reuse_targets(reuse_comparison({"transformers": runs["transformers"]}))] == [None, None]

@@ -166,6 +166,64 @@ def _figure(config: dict, runs: dict) -> str:
     return f"{where}: " + ", ".join(parts) + f", {answers}"
 
 
+# session reuse on vLLM against the transformers session (same method, same sessions): what reuse must reach
+REUSE_TTFT_FACTOR = 2.0  # the last message's time to first token, at most this multiple of the transformers session's
+REUSE_PREFILL_FACTOR = 1.5  # prompt tokens computed over a session, at most this multiple of the conversation's length
+
+
+def reuse_comparison(runs: dict, method: str = "triattention") -> list[dict]:
+    """Per session run by `method` on the transformers path and on vLLM (with reuse, and stateless where run): the last
+    message's time to first token on each, and the prompt tokens vLLM computed over the session as a multiple of the
+    conversation's final length."""
+    ours = runs.get("transformers", {}).get(method, {})
+    rows = []
+    for seed in sorted(runs.get("vllm", {}).get(method, {})):
+        reuse = runs["vllm"][method][seed]["records"]
+        if seed not in ours or not reuse or not ours[seed]["records"]:
+            continue
+        stateless = runs.get("vllm-stateless", {}).get(method, {}).get(seed, {}).get("records") or []
+        computed = lambda records: (sum(r["prompt_tokens"] - r["cached_tokens"] for r in records)  # noqa: E731
+                                    / records[-1]["tokens"])
+        rows.append({"seed": seed, "transformers_last": ours[seed]["records"][-1]["ttft"], "reuse_last": reuse[-1]["ttft"],
+                     "stateless_last": stateless[-1]["ttft"] if stateless else math.nan,
+                     "reuse_prefill": computed(reuse), "stateless_prefill": computed(stateless) if stateless else math.nan})
+    return rows
+
+
+def reuse_targets(rows: list[dict]) -> list[tuple[str, bool | None]]:
+    """The two targets of session reuse, judged on every session (None where no session ran on both paths)."""
+    ttft = (f"vLLM session reuse: last-message TTFT <= {REUSE_TTFT_FACTOR:g}x the transformers session's, every session")
+    prefill = f"vLLM session reuse: prompt tokens computed <= {REUSE_PREFILL_FACTOR:g}x the conversation, every session"
+    if not rows:
+        return [(ttft, None), (prefill, None)]
+    return [(ttft, all(r["reuse_last"] <= REUSE_TTFT_FACTOR * r["transformers_last"] for r in rows)),
+            (prefill, all(r["reuse_prefill"] <= REUSE_PREFILL_FACTOR for r in rows))]
+
+
+def _reuse_lines(runs: dict) -> list[str]:
+    """The session-reuse table: TriAttention's last message and prefill work per session, transformers against vLLM
+    with reuse and stateless."""
+    rows = reuse_comparison(runs)
+    if not rows:
+        return []
+    lines = ["", "### Session reuse on vLLM against the transformers session", "",
+             f"TriAttention, session by session: the last message's time to first token on the transformers path "
+             f"(`trikv.Session`, one cache for the conversation), on vLLM with session reuse and stateless, and the "
+             f"prompt tokens vLLM computed over the session as a multiple of the conversation's final length. Targets: "
+             f"reuse's last message within {REUSE_TTFT_FACTOR:g}x of the transformers session's, and at most "
+             f"{REUSE_PREFILL_FACTOR:g}x the conversation computed.", "",
+             "| session | TTFT last, transformers | TTFT last, vLLM reuse | (ratio) | TTFT last, vLLM stateless | "
+             "computed / conversation, reuse | computed / conversation, stateless |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['seed']} | {_seconds(r['transformers_last'])} | {_seconds(r['reuse_last'])} | "
+                     f"{_times(r['reuse_last'] / r['transformers_last'])} | {_seconds(r['stateless_last'])} | "
+                     f"{_times(r['reuse_prefill'])} | {_times(r['stateless_prefill'])} |")
+    lines += ["", "; ".join(f"{name}: {'met' if ok else 'not met' if ok is False else 'not judged'}"
+                            for name, ok in reuse_targets(rows)) + "."]
+    return lines
+
+
 def write_report(folders: list[Path] | Path, out: Path) -> Path:
     """The page: the case and the rules once, then one section per run folder (a setting: model, limit, budget,
     sessions), each with who completes, the answers by distance, the KV held per message and its commands."""
@@ -187,7 +245,9 @@ def write_report(folders: list[Path] | Path, out: Path) -> Path:
                             f"session{'s' if config['sessions'] != 1 else ''}" for _, config, _, runs in settings))
     lines = [
         *page_header(TITLE, command_line("trikv", "bench", "agent-report", *folders, "--out", out), measured,
-                     _figure(settings[0][1], settings[0][3]), [], [_recorded_commit(config) for _, config, _, _ in settings]),
+                     _figure(settings[0][1], settings[0][3]),
+                     reuse_targets(reuse_comparison(settings[0][3])) if "vllm" in settings[0][3] else [],
+                     [_recorded_commit(config) for _, config, _, _ in settings]),
         "From the cells in " + ", ".join(f"`{folder}`" for folder, _, _, _ in settings) + f" (trikv {', '.join(versions)}). "
         "This machine: 2 CPU cores, models in fp32, greedy answers.",
         "",
@@ -265,6 +325,7 @@ def _setting_lines(folder: Path, config: dict, sessions: list, runs: dict, figur
               "no-context control (every question asked alone, without the files) gets wrong, which only what the run "
               "read can answer." + ("" if no_context else " (No no-context cells in this folder: the column is empty.)"),
               *_paired_lines(runs),
+              *_reuse_lines(runs),
               "", "### Answers by distance", "",
               "Share of right answers by how many chunks were read after the one asked about, [95% bootstrap interval "
               "over sessions], (questions).", "",
