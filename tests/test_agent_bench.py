@@ -315,3 +315,29 @@ def test_session_reuse_targets_compare_each_session_with_the_transformers_sessio
     runs["vllm"]["triattention"][1] = _timed_cell([1.2, 0.6, 1.1], conversation, [0, 0, 0])  # 1.1 > 2 x 0.5; 2.0 > 1.5
     assert [ok for _, ok in reuse_targets(reuse_comparison(runs))] == [False, False]
     assert [ok for _, ok in reuse_targets(reuse_comparison({"transformers": runs["transformers"]}))] == [None, None]
+
+
+def test_the_readme_vllm_row_adds_what_session_reuse_buys(tmp_path, monkeypatch):
+    """The vLLM row: the transformers row's figures for vLLM's cells, plus the last message's time to first token
+    with reuse, stateless and on the transformers path (medians over sessions); a stateless cell from a dirty tree
+    drops that part."""
+    from trikv.benchmarks import readme
+
+    monkeypatch.setattr(readme, "RUNS", tmp_path)
+    folder = _paired_folder(tmp_path / "agent", commit="c0ffee1")
+    conversation = [100, 200, 300, 400]
+    for backend, method, ttfts, cached in (("vllm", "full", [0.5], [0]), ("vllm", "triattention", [1.0, 0.5, 0.5, 0.6], [0, 100, 200, 300]),
+                                           ("vllm-stateless", "triattention", [1.0, 2.0, 3.0, 4.0], [0, 0, 0, 0])):
+        for seed in (0, 1):
+            cell = json.loads((folder / "cells" / f"transformers-{method}-{seed}.json").read_text())
+            for record, ttft, sent, hit in zip(cell["result"]["records"], ttfts, conversation, cached):
+                record.update(ttft=ttft, prompt_tokens=sent, cached_tokens=hit)
+            (folder / "cells" / f"{backend}-{method}-{seed}.json").write_text(json.dumps(cell))
+    rows = readme._agent_rows()
+    assert len(rows) == 2 and "(tiny, vllm)" in rows[1]
+    assert rows[1].endswith("; last message's time to first token 0.60 s with session reuse (stateless: 4.00 s), "
+                            "0.50 s on the transformers path | [agent.md](docs/agent.md) |")
+    cell = json.loads((folder / "cells" / "vllm-stateless-triattention-0.json").read_text())
+    cell["settings"]["version"]["commit"] = "c0ffee1+changes"
+    (folder / "cells" / "vllm-stateless-triattention-0.json").write_text(json.dumps(cell))
+    assert "time to first token" not in readme._agent_rows()[1]

@@ -14,6 +14,7 @@ run files and writes them in place (`--check` only compares, for the test that k
 from __future__ import annotations
 
 import json
+import math
 import re
 import statistics
 import sys
@@ -99,7 +100,10 @@ def _conversation_rows() -> list[str]:
 def _agent_rows() -> list[str]:
     """Per backend: full attention's outcome under the limit, TriAttention's and the best bounded method's accuracy
     with their paired difference. Cells made by a tree with uncommitted changes feed no row (the page labels them)."""
-    from .agent.report import REFERENCE, bounded_methods, load_cells, paired_difference, summarise
+    from .agent.report import REFERENCE, bounded_methods, load_cells, paired_difference, reuse_comparison, summarise
+
+    def dirty(cell: dict) -> bool:  # made by a tree with uncommitted changes
+        return str(cell["settings"]["version"].get("commit") or "").endswith("+changes")
 
     folder = RUNS / "agent"
     config = json.loads((folder / "agent.json").read_text())["config"]
@@ -112,8 +116,7 @@ def _agent_rows() -> list[str]:
         summaries = {method: summarise(cells) for method, cells in methods.items()}
         best = max(bounded_methods(summaries), key=lambda m: (summaries[m]["completed"], summaries[m]["accuracy"][0]))
         used = [methods["full"], methods["triattention"], methods[best], runs.get("transformers", {}).get(REFERENCE, {})]
-        if any(str(cell["settings"]["version"].get("commit") or "").endswith("+changes")
-               for cells in used for cell in cells.values()):
+        if any(dirty(cell) for cells in used for cell in cells.values()):
             continue
         full, tri = summaries["full"], summaries["triattention"]
         failure = min(full["failures"], key=lambda f: f["message"]) if full["failures"] else None
@@ -133,6 +136,16 @@ def _agent_rows() -> list[str]:
                       f"{100 * point:+.1f} [{100 * interval[0]:+.1f}, {100 * interval[1]:+.1f}] points, paired over questions)")
         if REFERENCE in runs.get("transformers", {}):
             right += f"; full attention without a limit: {100 * summarise(runs['transformers'][REFERENCE])['accuracy'][0]:.0f}%"
+        reuse = reuse_comparison(runs) if backend == "vllm" else []
+        compared = [runs.get("transformers", {}).get("triattention", {}), runs.get("vllm-stateless", {}).get("triattention", {})]
+        if any(dirty(cell) for cells in compared for cell in cells.values()):
+            reuse = []
+        if reuse:  # what session reuse buys on vLLM: the last message's time to first token, median over sessions
+            median = lambda key: statistics.median(r[key] for r in reuse)  # noqa: E731
+            stateless = [r["stateless_last"] for r in reuse if not math.isnan(r["stateless_last"])]
+            right += (f"; last message's time to first token {median('reuse_last'):.2f} s with session reuse"
+                      + (f" (stateless: {statistics.median(stateless):.2f} s)" if stateless else "")
+                      + f", {median('transformers_last'):.2f} s on the transformers path")
         out.append(f"| coding-agent session ({config['model']}, {backend}) past a {config['limit_tokens']:,}-token KV limit "
                    f"| {fails} | completes {tri['completed']}/{tri['sessions']} sessions; {right} | [agent.md](docs/agent.md) |")
     return out
