@@ -341,3 +341,28 @@ def test_the_readme_vllm_row_adds_what_session_reuse_buys(tmp_path, monkeypatch)
     cell["settings"]["version"]["commit"] = "c0ffee1+changes"
     (folder / "cells" / "vllm-stateless-triattention-0.json").write_text(json.dumps(cell))
     assert "time to first token" not in readme._agent_rows()[1]
+
+
+def test_the_page_compares_session_reuse_with_the_session_and_with_stateless(tmp_path):
+    """The reuse section: same answers as the transformers session counted word for word, and reuse minus stateless
+    paired over questions."""
+    folder = _paired_folder(tmp_path / "agent", commit="c0ffee1")
+    conversation = [100, 200, 300, 400]
+    session = {seed: json.loads((folder / "cells" / f"transformers-triattention-{seed}.json").read_text()) for seed in (0, 1)}
+    for seed, cell in session.items():  # the session's answers: "a0", "a1", ...
+        for index, record in enumerate(cell["result"]["records"]):
+            record["answer"] = f"a{index}"
+        (folder / "cells" / f"transformers-triattention-{seed}.json").write_text(json.dumps(cell))
+    for backend, right, answer in (("vllm", None, lambda i: f"a{i}" if i else "other"),
+                                   ("vllm-stateless", [1, 1, 1, 1], lambda i: "s")):
+        for seed, cell in session.items():
+            cell = json.loads(json.dumps(cell))
+            for index, (record, sent) in enumerate(zip(cell["result"]["records"], conversation)):
+                record.update(prompt_tokens=sent, cached_tokens=0 if backend == "vllm-stateless" else sent - 100,
+                              answer=answer(index), **({"right": bool(right[index])} if right else {}))
+            (folder / "cells" / f"{backend}-triattention-{seed}.json").write_text(json.dumps(cell))
+    page = write_report([folder], tmp_path / "agent.md").read_text()
+    # reuse: the session's answers but the first of each session (6 of 8 the same); right on 5 of 8, stateless 8 of 8
+    assert "vLLM gives the transformers session's answer, word for word, on 6 of 8 questions" in page
+    assert "Reuse minus stateless, answers right: -37.5 [" in page and "] points over 8 questions" in page
+    assert "> - targets: 2 met, 0 not met" in page

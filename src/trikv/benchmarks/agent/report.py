@@ -221,6 +221,20 @@ def _reuse_lines(runs: dict) -> list[str]:
                      f"{_times(r['reuse_prefill'])} | {_times(r['stateless_prefill'])} |")
     lines += ["", "; ".join(f"{name}: {'met' if ok else 'not met' if ok is False else 'not judged'}"
                             for name, ok in reuse_targets(rows)) + "."]
+    reuse, session = runs["vllm"]["triattention"], runs["transformers"]["triattention"]
+    same = [record_a.get("answer") == record_b.get("answer") for seed in sorted(set(reuse) & set(session))
+            for record_a, record_b in zip(reuse[seed]["records"], session[seed]["records"])]
+    lines += ["", f"Answers: with reuse, vLLM gives the transformers session's answer, word for word, on {sum(same)} of "
+              f"{len(same)} questions."]
+    stateless = runs.get("vllm-stateless", {}).get("triattention")
+    if stateless:
+        point, interval, count = paired_difference(reuse, stateless)
+        lines[-1] += (f" Reuse minus stateless, answers right: {_points(point, interval)} points over {count} questions "
+                      "(paired, 95% interval). Stateless, every message compacts the whole conversation afresh (its "
+                      "rounds fall at other positions, and every entry of the conversation competes again), so an entry "
+                      "an earlier message's rounds evicted can be kept again; with reuse, as in the transformers "
+                      "session, an evicted entry stays evicted. The difference is what the extra prefill buys, at the "
+                      "time to first token above.")
     return lines
 
 
