@@ -143,8 +143,10 @@ def _agent_rows() -> list[str]:
         if reuse:  # what session reuse buys on vLLM: the last message's time to first token, median over sessions
             median = lambda key: statistics.median(r[key] for r in reuse)  # noqa: E731
             stateless = [r["stateless_last"] for r in reuse if not math.isnan(r["stateless_last"])]
+            stateless_right = (summarise(runs["vllm-stateless"]["triattention"])["accuracy"][0] if stateless else math.nan)
             right += (f"; last message's time to first token {median('reuse_last'):.2f} s with session reuse"
-                      + (f" (stateless: {statistics.median(stateless):.2f} s)" if stateless else "")
+                      + (f" (stateless: {statistics.median(stateless):.2f} s, {100 * stateless_right:.0f}% answers right)"
+                         if stateless else "")
                       + f", {median('transformers_last'):.2f} s on the transformers path")
         out.append(f"| coding-agent session ({config['model']}, {backend}) past a {config['limit_tokens']:,}-token KV limit "
                    f"| {fails} | completes {tri['completed']}/{tri['sessions']} sessions; {right} | [agent.md](docs/agent.md) |")

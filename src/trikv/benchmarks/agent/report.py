@@ -4,7 +4,8 @@ each method holds, how its answers compare with the truth and with uncapped full
 Intervals are 95% bootstrap intervals over sessions (a session is the unit that varies: its files and questions);
 a share is a ratio of sums over the resampled sessions. Nothing on the page is typed by hand: every figure is
 computed here from the cells, and each row names the command that produced it. The page opens with the shared
-header (`report_pages.page_header`); it checks no targets, and its box says so.
+header (`report_pages.page_header`); where vLLM cells are present, its box judges session reuse's two targets
+(`reuse_targets`).
 """
 
 from __future__ import annotations
@@ -134,9 +135,11 @@ def _longest(runs: dict) -> int:
     return max((cell["records"][-1]["tokens"] for cell in reference.values() if cell["records"]), default=0)
 
 
-def _command(backend: str, config: dict) -> str:
+def _command(backend: str, config: dict, methods: list[str] | None = None) -> str:
+    """The command that makes a backend's cells (`methods`: the bounded methods it ran, named in the command)."""
     venv = ".venv-upper/bin/" if backend == "mlx" else ".venv/bin/"  # MLX and vLLM live in two environments
-    return (f"`{venv}trikv bench agent --backends {backend} --model {config['model']} --budget {config['budget']} "
+    chosen = f" --methods {','.join(methods)}" if methods else ""
+    return (f"`{venv}trikv bench agent --backends {backend}{chosen} --model {config['model']} --budget {config['budget']} "
             f"--limit-tokens {config['limit_tokens']} --sessions {config['sessions']} --steps {config['steps']} "
             f"--chunk-tokens {config['chunk_tokens']} --out {{folder}}`")
 
@@ -145,6 +148,14 @@ def _recorded_commit(config: dict) -> str | None:
     """The commit `code_version()` recorded ('abc1234', or 'abc1234+changes' from a tree with uncommitted changes)."""
     commit = (config.get("version") or {}).get("commit")
     return None if not commit else format_commit(commit.removesuffix("+changes"), commit.endswith("+changes"))
+
+
+def _cell_commits(runs: dict) -> list[str | None]:
+    """The distinct commits a setting's cells record (each cell keeps the commit that computed it: cells reused from
+    another commit with `--reuse-other-code` keep theirs), in the order of the backends and methods."""
+    commits = [_recorded_commit(cell.get("settings", {})) for backend in BACKEND_ORDER for cells in runs.get(backend, {}).values()
+               for cell in cells.values()]
+    return list(dict.fromkeys(commits))
 
 
 def _figure(config: dict, runs: dict) -> str:
@@ -261,7 +272,7 @@ def write_report(folders: list[Path] | Path, out: Path) -> Path:
         *page_header(TITLE, command_line("trikv", "bench", "agent-report", *folders, "--out", out), measured,
                      _figure(settings[0][1], settings[0][3]),
                      reuse_targets(reuse_comparison(settings[0][3])) if "vllm" in settings[0][3] else [],
-                     [_recorded_commit(config) for _, config, _, _ in settings]),
+                     [_cell_commits(runs) for _, _, _, runs in settings]),
         "From the cells in " + ", ".join(f"`{folder}`" for folder, _, _, _ in settings) + f" (trikv {', '.join(versions)}). "
         "This machine: 2 CPU cores, models in fp32, greedy answers.",
         "",
@@ -364,7 +375,8 @@ def _setting_lines(folder: Path, config: dict, sessions: list, runs: dict, figur
               "KV pool gauge sampled every 50 ms while the message runs (whole blocks of 128 tokens).",
               "", "### Commands", ""]
     for backend in summaries:
-        lines.append(f"- {backend}: {_command(backend, config).format(folder=folder)}")
+        methods = [m for m in bounded_methods(summaries[backend]) if m != "full"]
+        lines.append(f"- {backend}: {_command(backend, config, methods).format(folder=folder)}")
     lines += [""]
     return lines
 
