@@ -104,21 +104,17 @@ def test_line_variety_equals_a_direct_count_over_every_window():
 
 
 # loops of short lines (their lines differ in digits, `$` delimiters and blank lines) that the masked rule passed:
-# the shipped traces a review named, judged again under this rule
-SHORT_LINE_LOOPS = [("gemma3-270m", "aime25-0"), ("gemma3-270m", "aime25-2"), ("gemma3-270m", "math500-418"),
-                    ("smollm2-135m", "math500-423")]
+# the shipped traces a review named, kept as the files held them when that rule judged them valid
+SHORT_LINE_LOOPS = [json.loads(line) for line in (Path(__file__).parent / "data" / "short_line_loops.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("model,name", SHORT_LINE_LOOPS, ids=[f"{m}-{n}" for m, n in SHORT_LINE_LOOPS])
-def test_loops_of_short_lines_the_masked_rule_passed_fail_this_one(model, name):
-    from trikv.benchmarks.quality.traces import load_traces
-
-    trace = next(t for t in load_traces(model, "evaluation") if t.name == name)
-    compression, _, share = validity.masked_figures(trace.text)
+@pytest.mark.parametrize("loop", SHORT_LINE_LOOPS, ids=[f"{row['model']}-{row['name']}" for row in SHORT_LINE_LOOPS])
+def test_loops_of_short_lines_the_masked_rule_passed_fail_this_one(loop):
+    assert loop["masked_rule"]["valid"] and loop["masked_rule"]["rule"] == "masked"
+    compression, _, share = validity.masked_figures(loop["text"])
     assert compression >= validity.MIN_MASKED_COMPRESSION and share <= validity.MAX_REPEAT_SHARE  # the masked rule's pass
-    figures = validity.trace_validity(trace.text, [], attempts=1, tokens=trace.tokens, min_tokens=2048)
+    figures = validity.trace_validity(loop["text"], [], attempts=1, tokens=loop["tokens"], min_tokens=2048)
     assert figures.line_variety < validity.MIN_LINE_VARIETY and not figures.valid
-    assert trace.validity["rule"] == validity.RULE and not trace.validity["valid"]  # the shipped file says so too
 
 
 def test_an_attempt_that_loops_in_short_lines_is_rejected_while_writing():
