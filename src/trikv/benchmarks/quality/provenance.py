@@ -144,9 +144,9 @@ def run_provenance(record: dict) -> Provenance:
         if shipped is not None and shipped["all_traces"]:
             validity = results["fidelity"]["meta"].get("trace_validity") or {}
             fed = [name for name in results["fidelity"]["meta"]["texts"] if name in validity]
-            rejected = [name for name in fed if name in shipped["all_traces"] and name not in shipped["traces"]]
+            rejected = _rejected_now(results, shipped)
             if rejected:
-                reasons.append(_rejected_now(results, shipped))
+                reasons.append(rejected)
             missing = [name for name in shipped["traces"] if name not in fed]
             if missing:
                 reasons.append(f"it did not feed {len(missing)} trace(s) that ship now ({', '.join(missing)})")
