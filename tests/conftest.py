@@ -5,7 +5,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-# scripts/test.sh runs four lanes side by side on 2 cores and gives each one thread (TRIKV_TEST_THREADS=1): busy
+# scripts/test.sh runs five lanes side by side on 2 cores and gives each one thread (TRIKV_TEST_THREADS=1): busy
 # processes with two OpenMP threads each would spin-wait for each other's cores
 torch.set_num_threads(int(os.environ.get("TRIKV_TEST_THREADS", min(2, torch.get_num_threads()))))
 if "TRIKV_TEST_THREADS" in os.environ:

@@ -97,6 +97,7 @@ def test_enough_is_the_smallest_length_whose_every_slice_stays_within_tolerance_
     assert recommended_tokens([_run({1024: [0.101], 51200: longest}), _run({1024: [0.3], 2048: [0.1], 51200: longest})]) == 2048
 
 
+@pytest.mark.extended  # a benchmark pipeline end to end
 @pytest.mark.real_model
 def test_calibration_length_run_and_page(tmp_path):
     """`trikv bench calibration-length` at a toy size on the bundled model (two lengths, two slices each, one trace),

@@ -89,6 +89,7 @@ def test_speed_lines_follow_the_measured_figures():
     assert "identical over the 100 tokens" in agreement_note(default_sampling(), 100, 100)
 
 
+@pytest.mark.extended  # 512 sampled tokens twice; the README's demo command runs in every run
 @pytest.mark.real_model
 def test_the_default_demo_texts_are_not_loops(real_model):
     """The demo's prompt and sampling (what `bash scripts/demo.sh` runs) give two texts that pass the project's

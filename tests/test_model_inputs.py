@@ -39,7 +39,9 @@ def _gguf_fields(name: str) -> dict:
         "tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type", "tokenizer.ggml.merges")}
 
 
-@pytest.fixture(scope="module", params=sorted(models.REGISTRY))
+# the bundled model in every run, the others with --full (`extended`)
+@pytest.fixture(scope="module", params=[pytest.param(name, marks=[] if name == "smollm2-135m" else [pytest.mark.extended])
+                                        for name in sorted(models.REGISTRY)])
 def loaded(request):
     name = request.param
     if not _available(name):
@@ -74,6 +76,7 @@ def test_known_prompt_is_answered_sanely(loaded):
     assert "Paris" in answer.continuation and not degenerate(answer.continuation)
 
 
+@pytest.mark.extended  # another real model
 def test_a_model_without_its_bos_is_caught():
     """Gemma-3 fed without BOS degenerates; the check says so (and so can fail on a broken framing)."""
     model, tokenizer = models.load_model("gemma3-270m")
@@ -97,6 +100,7 @@ def test_a_model_without_its_bos_is_caught():
         check_model_answers(model, broken, "gemma3-270m without BOS")
 
 
+@pytest.mark.extended  # another real model
 def test_conversion_record_and_refresh_of_an_older_conversion(tmp_path, monkeypatch):
     """A folder converted before the tokenizer followed the GGUF (no conversion record) gets its tokenizer
     rewritten on first use, weights untouched."""

@@ -509,6 +509,7 @@ def _figures(value):
     return value
 
 
+@pytest.mark.extended  # a benchmark pipeline end to end (the README's quick-preset command runs in every run)
 @pytest.mark.real_model
 def test_quick_preset_end_to_end_and_resume(tmp_path, tokenizer):
     from trikv.benchmarks.quality.report import write_report

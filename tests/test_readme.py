@@ -6,7 +6,8 @@ value of a flag, so an appended `--max-new-tokens 24` overrides the README's `--
 command that needs hours, a GPU or a long-lived server, its `--help` / `--dry-run` (`instead`, with the reason),
 and where the run it made is kept in the repository, that the run's file records the command as written. A
 command without a rule fails the test, and so does a rule no command uses; every run has a timeout, so a hang
-fails too. An example that claims a bounded cache (`rounds`) must reach a compression round at its written sizes
+fails too. A rule may name why its command runs only with `bash scripts/test.sh --full` (`extended`: the same
+pieces run in every run elsewhere). An example that claims a bounded cache (`rounds`) must reach a compression round at its written sizes
 (read with the command's own parser) and its run must print a round count above zero: an example that never
 compresses as written fails. The commands run in page order in one scratch folder (files one writes, a later one
 reads); the repository's scripts (`bash scripts/...`) run from the repository root.
@@ -56,6 +57,8 @@ class Rule:
     # a run kept in the repository (a JSON file under ROOT) whose "command" must be the command as written: the page
     # it feeds is generated from what this very command measured
     recorded: str = ""
+    # why it runs only with `bash scripts/test.sh --full` (marked `extended`): the same pieces run in every run elsewhere
+    extended: str = ""
     used: list = field(default_factory=list)
 
     def matches(self, command: str) -> bool:
@@ -79,6 +82,8 @@ RULES = [
                  "TriAttention, first lines", "compression rounds", "engine: lean", "decode speed ratio")),
     Rule(r"bash scripts/test\.sh", instead="bash -n scripts/test.sh",
          why_not_as_written="it is the command running this test (CI runs it as written)"),
+    Rule(r"bash scripts/test\.sh --full", instead="bash -n scripts/test.sh && grep -q 'not extended' scripts/test.sh",
+         why_not_as_written="the command running this test, with the extended tests too (an hour of CPU)"),
     Rule(r"printf .* \| trikv chat .*", rounds=True, expect=("assistant>", "KV held:")),
     Rule(r"trikv generate --prompt .*", rounds=True, expect=("[triattention]",)),
     Rule(r"bash scripts/setup\.sh --with-vllm", timeout=900),
@@ -93,6 +98,7 @@ RULES = [
     Rule(r"trikv generate --engine mlx .*", append="--budget 16 --divide-length 8 --max-new-tokens 40", venv="upper",
          rounds=True, expect=("rounds",)),
     Rule(r"python -m trikv\.benchmarks\.mlx .*", venv="upper", timeout=600,
+         extended="a minute of MLX's CPU build even at toy size; tests/test_mlx.py measures and renders its pieces",
          append="--contexts 256 --budget 64 --divide-length 16 --warmup 1 --agreement-budget 16 --agreement-divide-length 8 "
          "--agreement-tokens 32 --kept-sets-tokens 128", files=("docs/mlx.md",)),
     Rule(r"trikv calibrate --model smollm2-135m .*", append="--text-tokens 256", expect=("calibrated smollm2-135m",),
@@ -112,7 +118,8 @@ RULES = [
          timeout=900),
     Rule(r"trikv bench quality --task fidelity --text-file my_text\.txt .*", append=TOY_QUALITY,
          files=("runs/mine/results.json",)),
-    Rule(r"trikv bench quality --task fidelity --model qwen2\.5-coder-0\.5b --traces evaluation .*", append=TOY_QUALITY,
+    Rule(r"trikv bench quality --task fidelity --model qwen2\.5-coder-0\.5b --traces evaluation .*",
+         append=TOY_QUALITY + " --trace-tokens 48 --horizons 16,32",
          files=("runs/traces/results.json",), why_not_as_written="on the bundled model's own traces instead of the 0.5B's"),
     Rule(r"trikv bench quality --task prefill .*", append="--model smollm2-135m --budgets 48 --divide-length 16 --text-file three_windows.txt "
          "--prefill-prompt-tokens 96 --prefill-continuation-tokens 32 --prefill-chunk 32 --threads 1 --no-progress",
@@ -225,15 +232,26 @@ def test_every_readme_command_has_exactly_one_rule():
         problems + [f"rule for no README command: {p}" for p in unused] + [f"rule moves the output: {p}" for p in moved])
 
 
-@pytest.mark.parametrize("index", range(len(shell_commands())))
-def test_readme_command_runs(index, scratch):
-    command = shell_commands()[index]
+def _tier(command: str) -> list:
+    """[pytest.mark.extended] for a command whose one rule runs it only with --full."""
+    matching = [rule for rule in RULES if rule.matches(command)]
+    return [pytest.mark.extended] if len(matching) == 1 and matching[0].extended else []
+
+
+def _run_command(command: str, scratch: Path) -> tuple[Rule, str, subprocess.CompletedProcess]:
+    """Run a page's command by its rule: (the rule, the line run, its result)."""
     rule = next(rule for rule in RULES if rule.matches(command))
     if rule.instead is not None:
         assert rule.why_not_as_written, f"{command!r}: say why it does not run as written"
     line = rule.instead if rule.instead is not None else f"{command} {rule.append}".strip()
     # the repository's scripts run from its root, as the README says; everything else in the scratch folder
-    result = _run(line, ROOT if command.startswith("bash scripts/") else scratch, rule.timeout, rule.venv)
+    return rule, line, _run(line, ROOT if command.startswith("bash scripts/") else scratch, rule.timeout, rule.venv)
+
+
+@pytest.mark.parametrize("index", [pytest.param(index, marks=_tier(command)) for index, command in enumerate(shell_commands())])
+def test_readme_command_runs(index, scratch):
+    command = shell_commands()[index]
+    rule, line, result = _run_command(command, scratch)
     output = result.stdout + result.stderr
     assert result.returncode == 0, f"{line!r} exited with {result.returncode}:\n{output[-4000:]}"
     for needle in rule.expect:
@@ -266,6 +284,9 @@ class Snippet:
     # `server_args` appended and a free port instead of 8000, in the snippet too) until it answers, then the snippet
     server: str = ""
     server_args: str = ""
+    # files of the scratch folder it reads that a page's command writes: when the commands have not run in this
+    # process (scripts/test.sh runs the snippets in a lane of their own), the command that writes each one runs first
+    needs: tuple[str, ...] = ()
 
 
 SNIPPETS = [
@@ -281,11 +302,12 @@ SNIPPETS = [
             # vLLM's CPU build reserves 92% of the machine's memory unless told a KV size; the other suite runs beside
             expect=("[",), venv="vllm", env=(("VLLM_CPU_KVCACHE_SPACE", "1"),)),
     Snippet('trikv.mlx.load("smollm2-135m")', venv="upper", rounds=True, expect=("entries per (layer, KV head)",)),
-    Snippet("trikv.mlx.load(\"./my-model\")", venv="upper", rounds=True, expect=("entries per (layer, KV head)",)),
+    Snippet("trikv.mlx.load(\"./my-model\")", venv="upper", rounds=True, expect=("entries per (layer, KV head)",),
+            needs=("my-model.safetensors",)),
     # the own-model guide's client of its `trikv serve` command (a chat reply of 64 tokens at most, nothing to shrink)
     Snippet("import openai", venv="vllm", server=r"trikv serve --model \./my-model .*",
             server_args="-- --max-model-len 2048 --enforce-eager --dtype float32",
-            env=(("VLLM_CPU_KVCACHE_SPACE", "1"),), expect=("completion_tokens=",)),
+            env=(("VLLM_CPU_KVCACHE_SPACE", "1"),), expect=("completion_tokens=",), needs=("my-model.safetensors",)),
 ]
 
 
@@ -310,6 +332,8 @@ def test_readme_snippet_runs(index, scratch):
     for pattern, replacement in rule.shrink:
         code, count = re.subn(pattern, replacement, code)
         assert count, f"shrink rule {pattern!r} no longer matches the README snippet"
+    for path in rule.needs:
+        _write_by_its_command(path, scratch)
     python = VENV_BINS[rule.venv] / "python"
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **dict(rule.env))
     script = scratch / f"readme_snippet_{index}.py"  # a file, not -c: vLLM's engine processes re-import __main__
@@ -330,6 +354,16 @@ def test_readme_snippet_runs(index, scratch):
         assert not rule.shrink, "a snippet that claims rounds runs at its written sizes"
         counts = [int(count) for count in re.findall(r"(\d+) rounds", result.stdout)]
         assert counts and min(counts) > 0, f"README snippet {index} printed rounds {counts}:\n{output[-3000:]}"
+
+
+def _write_by_its_command(path: str, scratch: Path) -> None:
+    """`path` in the scratch folder, written by the page's command whose rule names it, if it is not there yet."""
+    if (scratch / path).exists():
+        return
+    (command,) = [command for command in shell_commands()
+                  if any(rule.matches(command) and path in rule.files for rule in RULES)]
+    _, line, result = _run_command(command, scratch)
+    assert result.returncode == 0 and (scratch / path).exists(), f"{line!r} did not write {path}:\n{(result.stdout + result.stderr)[-3000:]}"
 
 
 def _free_port() -> int:

@@ -59,6 +59,7 @@ def test_eviction_equals_masking_on_real_model(model_and_stats):
     torch.testing.assert_close(torch.stack(result.logits), reference, rtol=0, atol=5e-4)
 
 
+@pytest.mark.extended  # the tiny models check left padding on every architecture in every run
 def test_left_padded_batch_equals_rows_alone_on_real_model(model_and_stats):
     model, tokenizer, stats = model_and_stats
     prompts = [PROMPT, "What is 12 times 13?"]
@@ -121,6 +122,7 @@ def gemma():
     return model, tokenizer, trikv.load_stats("gemma3-270m", model)
 
 
+@pytest.mark.extended  # another real model
 def test_gemma3_shipped_statistics_come_from_its_own_text(gemma):
     """The shipped statistics cover the three global layers and are what `trikv calibrate` computes from the
     shipped calibration text (the model's own sampled answers)."""
@@ -137,6 +139,7 @@ def test_gemma3_shipped_statistics_come_from_its_own_text(gemma):
     torch.testing.assert_close(again.q_mean, stats.q_mean, rtol=1e-3, atol=1e-4)
 
 
+@pytest.mark.extended  # another real model
 def test_gemma3_no_eviction_is_transformers_and_eviction_is_masking(gemma):
     model, tokenizer, stats = gemma
     prompt = tokenizer("Problem: find the sum of the first 20 odd numbers. Solution:", return_tensors="pt").input_ids
@@ -165,6 +168,7 @@ def test_gemma3_no_eviction_is_transformers_and_eviction_is_masking(gemma):
     assert cache.memory_bytes() == cache.sliding_bytes() + 3 * int((cache.visible_positions() >= 0).sum(-1).max()) * per_token
 
 
+@pytest.mark.extended  # another real model
 def test_gemma3_fidelity_on_its_own_trace(gemma):
     """Teacher-forced on one of its shipped reasoning traces: a budget above the length equals full attention
     exactly; a small budget compresses (the global layers only) and loses some agreement."""
@@ -186,6 +190,7 @@ def test_gemma3_fidelity_on_its_own_trace(gemma):
     assert 0.0 < recall["recall"] < 1.0 and len(recall["recall_per_layer"]) == 3
 
 
+@pytest.mark.extended  # another real model
 def test_gemma3_demo_picks_the_transformers_engine_and_counts_both_kinds_of_layers(gemma, capsys):
     from trikv.demo import run_demo
 

@@ -397,14 +397,19 @@ def test_memory_plot_shows_full_attention_beside_the_bounded_cache(tmp_path, mon
         assert any(label.startswith("triattention B=256") for label in drawn[-1])
 
 
-def test_an_unknown_method_or_engine_is_refused_before_a_model_loads_in_every_mode():
-    """The grid, --whole-generation and --memory-run refuse an unknown method or engine with the known names."""
-    import subprocess
-    import sys
+def test_an_unknown_method_or_engine_is_refused_before_a_model_loads_in_every_mode(monkeypatch, capsys):
+    """The grid, --whole-generation and --memory-run refuse an unknown method or engine with the known names, before
+    any model loads (the CLI's own entry point, in this process: a model load fails the test)."""
+    import trikv
+    from trikv.cli import main
 
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model was loaded before the refusal")
+
+    monkeypatch.setattr(trikv, "load_model", no_model)
     for mode in ([], ["--whole-generation", "48"], ["--memory-run", "48"]):
         for bad, message in ((["--methods", "full,magic"], "unknown method 'magic'; available: full, triattention"),
                              (["--engines", "turbo"], "unknown engine 'turbo'; expected lean or transformers")):
-            done = subprocess.run([sys.executable, "-m", "trikv", "bench", "speed", *mode, *bad, "--out", "unused"],
-                                  capture_output=True, text=True, timeout=120)
-            assert done.returncode != 0 and message in done.stderr, (mode, bad, done.stderr[-500:])
+            code = main(["bench", "speed", *mode, *bad, "--out", "unused"])
+            stderr = capsys.readouterr().err
+            assert code != 0 and message in stderr, (mode, bad, stderr[-500:])

@@ -253,7 +253,9 @@ for _method in QUERY_FREE:
         "dtype": "float32", "trikv": _trikv_settings(method), "batches": [{"prompts": prompts[1:], "max_tokens": 80}]})
 
 
-@pytest.mark.parametrize("method", [pytest.param(method, marks=pytest.mark.engines(method)) for method in QUERY_FREE])
+@pytest.mark.parametrize("method", [  # one in every run (the query-free rule's most involved), the others with --full
+    pytest.param(method, marks=[pytest.mark.engines(method)] + ([] if method == "triattention-dedup" else [pytest.mark.extended]))
+    for method in QUERY_FREE])
 def test_query_free_methods_keep_what_transformers_keeps(real_model, engine_runs, method):
     model, _ = real_model
     stats = trikv.load_stats("smollm2-135m", model) if method.startswith("triattention") else None
@@ -310,6 +312,7 @@ def _lora_structured(request, prompts):
                         {"prompts": [prompts[1]], "max_tokens": 100, "structured": {"regex": STRUCTURED}}]}
 
 
+@pytest.mark.extended  # vLLM features beside the bounded cache beyond the core ones
 @pytest.mark.engines("lora-structured", "fp32")
 def test_lora_and_structured_output_run_with_the_bounded_cache(real_model, tokenizer, lora_adapter, engine_runs, fp32_run):
     """A request with a LoRA adapter on a bounded engine: its rounds keep what trikv's transformers cache keeps on the
@@ -458,6 +461,7 @@ def _gemma3(request, prompts):
             "batches": [{"prompts": [ids[:12], bos + ids[100:160]], "max_tokens": 120}]}
 
 
+@pytest.mark.extended  # another real model (tiny Gemma-3 and GPT-OSS hybrids run in every run)
 @pytest.mark.engines("gemma3-270m")
 def test_real_gemma3_bounds_its_global_layers_as_the_transformers_path_does(engine_runs, gemma3):
     """The bundled Gemma-3-270M (3 global layers among 15 sliding ones) with its shipped statistics: vLLM's rounds
@@ -1114,8 +1118,9 @@ for _kv_cache_dtype in ("fp8", "fp8_e5m2"):
 
 
 @needs_fp8_cpu
-@pytest.mark.parametrize("kv_cache_dtype", [pytest.param(name, marks=[pytest.mark.engines(name)] if FP8_CPU else [])
-                                            for name in ("fp8", "fp8_e5m2")])
+@pytest.mark.parametrize("kv_cache_dtype", [  # e5m2, fp8's second format: with --full (`extended`)
+    pytest.param(name, marks=([pytest.mark.engines(name)] if FP8_CPU else []) + ([pytest.mark.extended] if name == "fp8_e5m2" else []))
+    for name in ("fp8", "fp8_e5m2")])
 def test_fp8_kv_cache_keeps_what_transformers_keeps_on_the_same_dequantised_keys(real_model, engine_runs, kv_cache_dtype):
     """A bounded engine with an fp8 KV cache (per-layer scales 1.5 for keys, 0.8 for values). The keys its layers hand
     vLLM's KV write are recorded, quantised and dequantised as that write stores them (modelled on its own: rounding
@@ -1156,6 +1161,7 @@ def test_fp8_kv_cache_keeps_what_transformers_keeps_on_the_same_dequantised_keys
     assert run["free_blocks_at_end"] == POOL - 1
 
 
+@pytest.mark.extended  # three worker processes
 @pytest.mark.engines("fp32")
 def test_tensor_parallel_3_equals_tp_1(engines_dir, prompts, fp32_run):
     """TP=3 on SmolLM2 (3 KV heads: one per rank, scored with the statistics of its 3 query heads), the longest prompt
@@ -1189,6 +1195,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+@pytest.mark.extended  # a server process (the README's openai snippet starts `trikv serve` and talks to it in every run)
 def test_http_server_streams_a_chat_completion_with_the_bounded_cache(tmp_path):
     """`trikv serve` streams a chat completion with the bounded cache; over the official `openai` client a request
     chooses its own budget within the server's limits, and a budget outside them and beam search get HTTP 400 with
@@ -1637,6 +1644,7 @@ SMALL_BENCH = ["--length", "192", "--pool-requests", "3", "--budgets", "64", "--
                "--window", "3", "--warmup-max", "60", "--settle", "1"]
 
 
+@pytest.mark.extended  # a benchmark pipeline end to end
 def test_serving_benchmark_runs_offline_and_renders_its_page(tmp_path):
     """`trikv bench serve` end to end at a toy size: offline full attention vs the bounded cache at one KV pool in
     max-batch mode (each engine climbs the slot ladder 2, 4 and is compared at its own best, beside a short-context
@@ -1840,6 +1848,7 @@ def _prefix_caching_preemption(request, prompts):
     return {**spec, "metrics": True, "cache_guard": True}
 
 
+@pytest.mark.extended  # two features each tested alone in every run, together
 @pytest.mark.engines("prefix-caching-preemption")
 def test_a_preempted_request_recomputes_beside_the_prefix_cache(engine_runs):
     """Preemption with prefix caching on: A is preempted after its rounds and recomputed from its whole history (a

@@ -619,6 +619,7 @@ def _sessions_prefix_caching(request, prompts):
             "cache_guard": True, "batches": batches}
 
 
+@pytest.mark.extended  # two features each tested alone in every run, together
 @pytest.mark.engines("sessions-prefix-caching")
 def test_session_reuse_beside_prefix_caching_keeps_its_guarantees(engine_runs, smollm2_reference):
     """With prefix caching on, every turn continues the state its previous turn left, whole (a state never
@@ -659,6 +660,7 @@ def _sessions_ngram(request, prompts):
             "batches": batches}
 
 
+@pytest.mark.extended  # two features each tested alone in every run, together
 @pytest.mark.engines("sessions-ngram", "sessions")
 def test_session_reuse_beside_ngram_speculation_gives_the_same_conversation(engine_runs, smollm2_reference):
     """At temperature 0, n-gram speculation beside session reuse gives every turn the tokens, reuse and rounds
@@ -699,7 +701,8 @@ def _sessions_qwen(request, prompts):
 
 
 @pytest.mark.skipif(not _qwen_here(), reason=f"{QWEN}'s weights are not on this machine (TRIKV_TEST_ALL_MODELS=1 fetches them)")
-@pytest.mark.parametrize("marked", [pytest.param(QWEN, marks=[pytest.mark.engines("sessions-qwen")] if _qwen_here() else [])])
+@pytest.mark.parametrize("marked", [pytest.param(QWEN, marks=([pytest.mark.engines("sessions-qwen")] if _qwen_here() else [])
+                                                   + [pytest.mark.extended])])  # another real model: with --full
 def test_a_conversation_on_vllm_equals_trikv_session_on_qwen(engine_runs, qwen_reference, marked):
     """The same on Qwen2.5-Coder-0.5B-Instruct (24 layers, 14 query and 2 KV heads, its own chat template)."""
     check_equals_session(engine_run(engine_runs, "sessions-qwen"), qwen_reference)
