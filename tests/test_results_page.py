@@ -126,22 +126,27 @@ def test_summary_opens_on_the_published_baselines_and_keeps_variants_apart():
     from trikv.benchmarks.quality.pages.summary import summary_lines
     from trikv.benchmarks.quality.pages.verdicts import method_role
 
-    assert [method_role(m) for m in ("full", "triattention", "triattention-dedup", "rkv-importance-only", "streaming")] == [
-        "reference", "triattention", "variant", "baseline ablation", "published"]
-    methods = ["full", "triattention", "triattention-shared-layers", "streaming", "rkv"]
+    assert [method_role(m) for m in ("full", "triattention", "triattention-dedup", "rkv-importance-only", "streaming",
+                                     "random", "triattention-trig-only")] == [
+        "reference", "triattention", "variant", "baseline ablation", "published", "control", "variant"]
+    methods = ["full", "triattention", "triattention-shared-layers", "streaming", "rkv", "random"]
     record = {"model": {"name": "tiny"}, "config": {"budgets": [128], "methods": methods},
               "results": {"fidelity": {"meta": {"texts": list("abcdefgh")}, "methods": {
                   "full": {"full": _cell(0.0)}, "triattention": {"128": _cell(0.20)},
                   "triattention-shared-layers": {"128": _cell(0.25, +0.05)},  # its own weakened ablation: not a win
-                  "streaming": {"128": _cell(0.15, -0.05)}, "rkv": {"128": _cell(0.18, -0.02)}}}}}
+                  "streaming": {"128": _cell(0.15, -0.05)}, "rkv": {"128": _cell(0.18, -0.02)},
+                  "random": {"128": _cell(0.40, +0.20)}}}}}  # the control: never a baseline TriAttention "leads"
     lines = summary_lines([("run", record)])
     assert lines[0].startswith("Headline, TriAttention against the 2 published baselines (`streaming`, `rkv`) on KL where "
-                               "compression acts: on tiny (B=128) it leads 0, ties 0 and trails 2, ranks 3rd of 4 methods")
-    assert ("lower KL: `streaming` 0.1500, `rkv` 0.1800; higher: `triattention-shared-layers`; 2 of the 2 published "
-            "baselines rank above it.") in lines[2]
+                               "compression acts: on tiny (B=128) it leads 0, ties 0 and trails 2, ranks 3rd of 5 methods")
+    assert ("lower KL: `streaming` 0.1500, `rkv` 0.1800; higher: `triattention-shared-layers`, `random`; 2 of the 2 "
+            "published baselines rank above it.") in lines[2]
     variants = next(line for line in lines if line.startswith("TriAttention's own variants and ablations"))
     assert "leads `triattention-shared-layers`" in variants
     assert "shared-layers" not in lines[0] and "shared-layers" not in lines[1]
+    controls = next(line for line in lines if line.startswith("Controls (what any eviction at the same budget gives"))
+    assert "TriAttention leads `random` +0.2000 [+0.1990, +0.2010]" in controls
+    assert "random" not in lines[0] and "random" not in lines[1] and "random" not in variants
 
 
 # ---- per-layer intervals and the concentration figure ------------------------------------------------------

@@ -71,6 +71,8 @@ class Policy:
     name: ClassVar[str] = "base"
     rule: ClassVar[str] = ""
     paper: ClassVar[str] = ""  # the publication whose rule this is (trikv's own variants say so)
+    # a control, not a method to compare with: what any eviction at the same budget gives (results pages report it apart)
+    control: ClassVar[bool] = False
     evicts: ClassVar[bool] = True
     recent_window: int = 0  # most recent tokens that are never evicted
     # True when a row's scores depend on that row of the context alone (no per-row state): the cache then

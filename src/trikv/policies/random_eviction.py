@@ -51,6 +51,7 @@ class RandomEviction(Policy):
     name = "random"
     rule = "a uniformly random subset per (layer, KV head), seeded (the control)"
     paper = "trikv's control: random eviction with the prompt protected as for every method"
+    control = True
     scores_rows_independently = True
     scores_layers_independently = True
     seed: int = 0

@@ -117,13 +117,14 @@ def summarise_runs(named_records: list[tuple[str, dict]], provenance: dict | Non
     The first line is the headline: TriAttention against the published baselines on KL where compression acts,
     per run, with its rank among every method of the run (`provenance` tags runs whose inputs are not the shipped
     ones). Then each run's verdicts and who ranks above TriAttention; how each run's traces were sampled where they
-    differ; TriAttention's own variants and ablations, apart; the secondary metric (attention recall); math. Runs on
+    differ; the controls (`random`: what any eviction at the same budget gives), apart; TriAttention's own variants
+    and ablations, apart; the secondary metric (attention recall); math. Runs on
     a model's invalid trace set and comparisons over fewer than `MIN_VERDICT_UNITS` texts or problems give no
     verdict; the last line sets the headline comparisons against what chance alone would give."""
     provenance = provenance or {}
     tag = lambda name: f" [{provenance[name].tag()}]" if name in provenance and provenance[name].status != "current" else ""  # noqa: E731
     task, what, get, higher, digits, scale = HEADLINE
-    headline, details, variants, secondary, math_lines, notes = [], [], [], [], [], []
+    headline, details, variants, controls, secondary, math_lines, notes = [], [], [], [], [], [], []
     standings: list[dict] = []  # TriAttention's headline standing per (run, budget), for `model_factor_line`
     counts = {"leads": 0, "trails": 0, "ties": 0}
     usable_counts = {"leads": 0, "trails": 0, "ties": 0}  # on runs whose inputs stand for what ships now
@@ -182,12 +183,16 @@ def summarise_runs(named_records: list[tuple[str, dict]], provenance: dict | Non
                     if any(own.values()):
                         parts = [f"{verdict} {', '.join(items)}" for verdict, items in own.items() if items]
                         variants.append(f"`{name}` ({model}), B={budget}, {what}: TriAttention " + "; ".join(parts) + ".")
+                    against_controls = verdict_groups(record, table, budget, get, higher, digits, scale, ("control",))
+                    if any(against_controls.values()):
+                        parts = [f"{verdict} {', '.join(items)}" for verdict, items in against_controls.items() if items]
+                        controls.append(f"`{name}` ({model}), B={budget}, {what}: TriAttention " + "; ".join(parts) + f"{tag(name)}.")
         for task2, what2, get2, higher2, digits2, scale2 in (SECONDARY,):
             if task2 not in results or resampled_units(record, task2, None) < MIN_VERDICT_UNITS:
                 continue
             for budget in run_budgets(record):
                 groups = verdict_groups(record, results[task2]["methods"], budget, get2, higher2, digits2, scale2,
-                                   ("published", "variant", "baseline ablation"))
+                                   ("published", "control", "variant", "baseline ablation"))
                 if any(groups.values()):
                     parts = [f"{verdict} {', '.join(items)}" for verdict, items in groups.items() if items]
                     secondary.append(f"`{name}` ({model}), B={budget}, {what2} (method minus triattention [95% interval], "
@@ -203,7 +208,7 @@ def summarise_runs(named_records: list[tuple[str, dict]], provenance: dict | Non
                     continue
                 for budget in run_budgets(record):
                     groups = verdict_groups(record, results["math"][dataset], budget, get3, higher3, digits3, scale3,
-                                       ("published", "variant", "baseline ablation"))
+                                       ("published", "control", "variant", "baseline ablation"))
                     if any(groups.values()):
                         parts = [f"{verdict} {', '.join(items)}" for verdict, items in groups.items() if items]
                         math_lines.append(f"`{name}` ({model}), B={budget}, {dataset} {what3} (method minus triattention "
@@ -231,6 +236,8 @@ def summarise_runs(named_records: list[tuple[str, dict]], provenance: dict | Non
     standing = model_factor_line(standings)
     if standing:
         lines.append(standing)
+    lines += [f"Controls (what any eviction at the same budget gives; not baselines, not in the headline): {line}"
+              for line in controls]
     lines += [f"TriAttention's own variants and ablations (not baselines): {line}" for line in variants]
     lines += [f"Secondary metric: {line}" for line in secondary]
     lines += math_lines + notes

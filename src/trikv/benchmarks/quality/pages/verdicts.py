@@ -40,19 +40,22 @@ def resampled_units(record: dict, task: str, dataset: str | None) -> int:
 
 
 def method_role(method: str) -> str:
-    """What a method is on the page: "reference" (full attention), "triattention", "variant" (TriAttention's
-    ablations and trikv's own variants: `triattention-*`, `tri-am*`), "baseline ablation" (a registry entry whose rule
-    calls itself an ablation of another method) or "published" (a baseline as its paper defines it, run on the
-    shared cache, trigger and prompt protection)."""
+    """What a method is on the page: "reference" (full attention), "triattention", "control" (a policy that marks
+    itself a control, `random`: what any eviction at the same budget gives, never counted as a baseline), "variant"
+    (TriAttention's ablations and trikv's own variants: `triattention-*`, `tri-am*`), "baseline ablation" (a registry
+    entry whose rule calls itself an ablation of another method) or "published" (a baseline as its paper defines it,
+    run on the shared cache, trigger and prompt protection)."""
     from ....policies import REGISTRY
 
     if method == "full":
         return "reference"
     if method == "triattention":
         return "triattention"
+    entry = REGISTRY.get(method)
+    if entry is not None and entry.policy_class.control:
+        return "control"
     if method.startswith(("triattention-", "tri-am")):
         return "variant"
-    entry = REGISTRY.get(method)
     if entry is not None and "ablation" in entry.note.split(":")[0].lower():
         return "baseline ablation"
     return "published"
