@@ -205,8 +205,19 @@ def test_agent_page_opens_with_its_title_commit_line_and_headline_box(tmp_path):
     assert lines[5] == ("> - main figure: tiny, limit 1,000 tokens (transformers): full attention completes 0/1 sessions, "
                         "triattention completes 1/1 sessions, 100% of its answers right (uncapped full attention: 100%)")
     assert lines[6] == "> - no targets checked on this page"
+    assert "MLX's matrix products ran on" not in "\n".join(lines)  # no MLX cells, no sentence about MLX's BLAS
     lines = write_report([_agent_folder(tmp_path / "agent", bounded_right=False)], tmp_path / "agent.md").read_text().splitlines()
     assert lines[5].endswith("triattention completes 1/1 sessions, 0% of its answers right (uncapped full attention: 100%)")
+
+
+def test_the_page_names_the_blas_the_mlx_cells_recorded(tmp_path):
+    """MLX's times depend on the BLAS its float32 products ran on: the page names what the MLX cells recorded."""
+    folder = _agent_folder(tmp_path / "agent", bounded_right=True)
+    cell = json.loads((folder / "cells" / "transformers-triattention-0.json").read_text())
+    cell["settings"] |= {"dtype": "float32", "blas": "libmkl_rt.so.3"}
+    (folder / "cells" / "mlx-triattention-0.json").write_text(json.dumps(cell))
+    page = write_report([folder], tmp_path / "agent.md").read_text()
+    assert "MLX's matrix products ran on `libmkl_rt.so.3` (mlx's Linux CPU wheel bundles the reference BLAS" in page
 
 
 def _paired_folder(root, commit: str):

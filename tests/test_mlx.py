@@ -574,3 +574,43 @@ def test_a_missing_mlx_lm_is_named_with_its_python_requirement(monkeypatch, caps
     monkeypatch.setattr(sys, "version_info", _Version((3, 12, 1, "final", 0)))
     with pytest.raises(ImportError, match=r'needs mlx-lm: pip install "trikv\[mlx\]"'):
         require_mlx_lm()
+
+
+@pytest.mark.real_model
+def test_load_casts_to_the_dtype_asked_and_names_a_bad_one():
+    """`trikv.mlx.load(dtype=...)` casts every floating weight; None keeps the checkpoint's; a bad name is refused
+    before anything loads."""
+    from mlx.utils import tree_flatten
+
+    kept, _ = trikv.mlx.load("smollm2-135m")
+    cast, _ = trikv.mlx.load("smollm2-135m", dtype="float16")
+    kept_dtypes = {value.dtype for _, value in tree_flatten(kept.parameters())}
+    assert {value.dtype for _, value in tree_flatten(cast.parameters())} == {mx.float16} != kept_dtypes
+    with pytest.raises(ValueError, match=r"dtype must be one of float32, bfloat16, float16 or None, got 'fp64'"):
+        trikv.mlx.load("smollm2-135m", dtype="fp64")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads the process's mapped libraries (Linux)")
+def test_the_blas_named_is_mapped_here_and_exports_the_product_mlx_calls():
+    """`blas_library()` names a library this process has mapped and that exports `cblas_sgemm`; with nothing
+    preloaded, that is the reference BLAS mlx-cpu's wheel bundles. A library preloaded ahead of it (MKL, where it is
+    installed) is named instead."""
+    import ctypes
+    import subprocess
+    import sys
+
+    from trikv.mlx.blas import blas_library, is_reference_blas
+
+    name = blas_library()
+    assert name is not None
+    mapped = {line.split()[-1] for line in open("/proc/self/maps") if "/" in line}
+    path = next(p for p in mapped if os.path.basename(p) == name)
+    assert ctypes.CDLL(path).cblas_sgemm
+    preloaded = os.environ.get("LD_PRELOAD", "")
+    assert is_reference_blas(name) == (not preloaded)
+    mkl = Path(sys.prefix) / "lib" / "libmkl_rt.so.3"
+    if mkl.exists() and not preloaded:
+        probe = "from trikv.mlx.blas import blas_library; print(blas_library())"
+        got = subprocess.run([sys.executable, "-c", probe], env=dict(os.environ, LD_PRELOAD=str(mkl)),
+                             capture_output=True, text=True, check=True).stdout.strip()
+        assert got == "libmkl_rt.so.3"

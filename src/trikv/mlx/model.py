@@ -206,12 +206,18 @@ def require_mlx_lm():
     return mlx_lm
 
 
-def load(name_or_path: str):
+MLX_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def load(name_or_path: str, dtype: str | None = None):
     """`(model, tokenizer)` from mlx_lm.load, by trikv's bundled name (its converted folder), a local folder or a
-    hub id; the RoPE settings of a transformers 5 config are passed on (`rope_overrides`)."""
+    hub id; the RoPE settings of a transformers 5 config are passed on (`rope_overrides`). `dtype` (one of
+    `MLX_DTYPES`) casts the weights after loading; None keeps the checkpoint's dtype, as mlx_lm.load does."""
     import json
     from pathlib import Path
 
+    if dtype is not None and dtype not in MLX_DTYPES:
+        raise ValueError(f"trikv.mlx.load: dtype must be one of {', '.join(MLX_DTYPES)} or None, got {dtype!r}")
     mlx_lm = require_mlx_lm()
 
     from ..models import resolve_model_path
@@ -219,4 +225,7 @@ def load(name_or_path: str):
     path = resolve_model_path(name_or_path)
     config_file = Path(path) / "config.json"
     overrides = rope_overrides(json.loads(config_file.read_text())) if config_file.is_file() else {}
-    return mlx_lm.load(path, model_config=overrides or None)
+    model, tokenizer = mlx_lm.load(path, model_config=overrides or None)
+    if dtype is not None:
+        model.set_dtype(getattr(mx, dtype))
+    return model, tokenizer

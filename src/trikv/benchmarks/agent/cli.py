@@ -249,12 +249,21 @@ def _run_mlx(sessions, methods, references, cells, common, cap_bytes, args) -> N
         sys.exit(f"trikv bench agent: --backends mlx needs MLX and mlx-lm ({error.name} is missing): pip install 'trikv[mlx]'")
     from .backends import run_mlx
 
-    model, tokenizer = trikv.mlx.load(args.model)
+    from trikv.mlx.blas import blas_library, is_reference_blas
+
+    # float32 as on the transformers and vLLM paths: one dtype for every backend the page compares
+    model, tokenizer = trikv.mlx.load(args.model, dtype="float32")
+    blas = blas_library()
+    if is_reference_blas(blas):
+        print(f"[trikv bench agent] MLX's matrix products run on the reference BLAS its wheel bundles ({blas}), "
+              "about 25x slower than an optimised one: pip install mkl and start with "
+              "LD_PRELOAD=<venv>/lib/libmkl_rt.so.3 (the times depend on it; answers only through rounding)", flush=True)
+    settings = {**common, "dtype": "float32", "blas": blas}
     for method in methods:
         stats = args.model if method != "full" and trikv.METHODS[method].needs_stats else None
         for session in sessions:
             with _bar(len(session.messages), f"mlx {method} s{session.seed}", args) as bar:
-                _cell("mlx", method, session, common, cells,
+                _cell("mlx", method, session, settings, cells,
                       lambda: run_mlx(model, tokenizer, session, method, args.budget, cap_bytes, stats=stats,
                                       max_new_tokens=args.max_new_tokens, references=references[session.seed],
                                       progress=bar.update))

@@ -135,6 +135,16 @@ def _longest(runs: dict) -> int:
     return max((cell["records"][-1]["tokens"] for cell in reference.values() if cell["records"]), default=0)
 
 
+def _mlx_blas_sentence(all_runs: list[dict]) -> str:
+    """Which BLAS the MLX cells' float32 products ran on (their times depend on it), as the cells record it."""
+    names = sorted({cell.get("settings", {}).get("blas") or "an unrecorded BLAS" for runs in all_runs
+                    for cells in runs.get("mlx", {}).values() for cell in cells.values()})
+    if not names:
+        return ""
+    return (f" MLX's matrix products ran on {', '.join(f'`{n}`' for n in names)} (mlx's Linux CPU wheel bundles "
+            "the reference BLAS; an optimised one preloaded with `LD_PRELOAD` changes the times, not the rule).")
+
+
 def _command(backend: str, config: dict, methods: list[str] | None = None) -> str:
     """The command that makes a backend's cells (`methods`: the bounded methods it ran, named in the command)."""
     venv = ".venv-upper/bin/" if backend == "mlx" else ".venv/bin/"  # MLX and vLLM live in two environments
@@ -274,7 +284,7 @@ def write_report(folders: list[Path] | Path, out: Path) -> Path:
                      reuse_targets(reuse_comparison(settings[0][3])) if "vllm" in settings[0][3] else [],
                      [_cell_commits(runs) for _, _, _, runs in settings]),
         "From the cells in " + ", ".join(f"`{folder}`" for folder, _, _, _ in settings) + f" (trikv {', '.join(versions)}). "
-        "This machine: 2 CPU cores, models in fp32, greedy answers.",
+        "This machine: 2 CPU cores, models in fp32, greedy answers." + _mlx_blas_sentence([runs for *_, runs in settings]),
         "",
         "**The case.** A coding agent reads a code base through a tool: every step is a tool result, a chunk of a real "
         f"source file (the Python {python} standard library, one chunk per file, files drawn per session), with a "
