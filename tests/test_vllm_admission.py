@@ -64,6 +64,7 @@ def _admission(request, prompts):
                         {"prompts": shared, "max_tokens": [NEW_TOKENS] * len(ARRIVALS), "arrivals": ARRIVALS}]}
 
 
+@pytest.mark.extended  # a full pool's engine run; CI keeps the bound and preemption's recompute (test_vllm.py's stress)
 @pytest.mark.engines("admission")
 def test_staggered_arrivals_on_a_pool_of_two_bounds_are_never_over_admitted(engine_runs):
     """Four bounded requests arrive six steps apart on a pool that holds two at their bound, first with prompts of
