@@ -27,8 +27,8 @@ else:
 
 pytestmark = [pytest.mark.real_model, pytest.mark.vllm]
 
-from vllm_engines import (BLOCK, BUDGET, SCENARIOS, SLACK, _all_steps, _prefill_chunks, _rounds_of, _steps_of,
-                          _trikv_settings, engine_run, feed_keys, replay, run_engines, scenario)
+from vllm_engines import (BLOCK, BUDGET, SLACK, _all_steps, _prefill_chunks, _rounds_of, _steps_of,
+                          _trikv_settings, engine_run, feed_keys, module_engine_runs, replay, run_engines, scenario)
 
 NEW_TOKENS = 160
 QUERY_FREE = ("streaming", "knorm", "triattention-dedup")  # methods checked against the transformers path's selection
@@ -38,9 +38,7 @@ POOL = 200  # KV blocks of the fp32 engine (vLLM's null block included)
 @pytest.fixture(scope="module")
 def engine_runs(request, engines_dir, prompts) -> dict[str, dict]:
     """Every scenario the selected tests of this module name, run once."""
-    wanted = list(dict.fromkeys(name for item in request.session.items if item.module is request.module
-                                for marker in item.iter_markers("engines") for name in marker.args))
-    return run_engines(engines_dir, {name: SCENARIOS[name](request, prompts) for name in wanted})
+    return module_engine_runs(request, engines_dir, prompts)
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,8 @@ else:
     pytest.importorskip("vllm")
 
 import trikv  # noqa: E402
-from vllm_engines import BLOCK, BUDGET, SLACK, SCENARIOS, _steps_of, _trikv_settings, engine_run, run_engines, scenario  # noqa: E402
+from vllm_engines import (BLOCK, BUDGET, SLACK, _steps_of, _trikv_settings, engine_run,  # noqa: E402
+                          module_engine_runs, scenario)
 
 pytestmark = [pytest.mark.vllm]
 
@@ -45,9 +46,7 @@ def text_ids(real_model):
 
 @pytest.fixture(scope="module")
 def engine_runs(request, engines_dir) -> dict[str, dict]:
-    wanted = list(dict.fromkeys(name for item in request.session.items if item.module is request.module
-                                for marker in item.iter_markers("engines") for name in marker.args))
-    return run_engines(engines_dir, {name: SCENARIOS[name](request, None) for name in wanted})
+    return module_engine_runs(request, engines_dir, None)
 
 
 @scenario("admission")

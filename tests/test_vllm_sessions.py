@@ -325,7 +325,7 @@ def test_kept_state_fields_read_as_the_rule_says():
 from pathlib import Path  # noqa: E402
 
 import trikv  # noqa: E402
-from vllm_engines import SCENARIOS, engine_run, run_engines, scenario  # noqa: E402
+from vllm_engines import engine_run, module_engine_runs, scenario  # noqa: E402
 
 B, S, CHUNK, BLOCK_SIZE = 64, 32, 200, 32
 TRIGGER = B + S
@@ -433,9 +433,7 @@ def smollm2_reference(real_model) -> dict:
 @pytest.fixture(scope="module")
 def engine_runs(request, engines_dir) -> dict[str, dict]:
     """Every scenario the selected tests of this module name, run once."""
-    wanted = list(dict.fromkeys(name for item in request.session.items if item.module is request.module
-                                for marker in item.iter_markers("engines") for name in marker.args))
-    return run_engines(engines_dir, {name: SCENARIOS[name](request, None) for name in wanted})
+    return module_engine_runs(request, engines_dir, None)
 
 
 def _rule_batches(first: int, ids: list[int]) -> list[dict]:

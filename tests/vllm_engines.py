@@ -59,6 +59,13 @@ def engine_run(runs: dict[str, dict], name: str) -> dict:
 SCENARIOS = {}  # name -> build(request, prompts) -> spec
 
 
+def module_engine_runs(request, engines_dir: Path, prompts) -> dict[str, dict]:
+    """Every scenario the selected tests of the requesting module name (`@pytest.mark.engines`), run once."""
+    wanted = list(dict.fromkeys(name for item in request.session.items if item.module is request.module
+                                for marker in item.iter_markers("engines") for name in marker.args))
+    return run_engines(engines_dir, {name: SCENARIOS[name](request, prompts) for name in wanted})
+
+
 def scenario(name: str):
     """Register the spec builder of an engine run; the tests that read its result carry @pytest.mark.engines(name)."""
     def register(build):
