@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import os
-from pathlib import Path
 
 import pytest
 
@@ -20,9 +19,8 @@ if os.environ.get("TRIKV_REQUIRE_VLLM") == "1":
 else:
     pytest.importorskip("vllm")
 
-import trikv  # noqa: E402
 from vllm_engines import (BLOCK, BUDGET, SLACK, _steps_of, _trikv_settings, engine_run,  # noqa: E402
-                          module_engine_runs, scenario)
+                          bundled_text_ids, module_engine_runs, scenario)
 
 pytestmark = [pytest.mark.vllm]
 
@@ -40,8 +38,7 @@ def engines_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def text_ids(real_model):
-    folder = Path(trikv.__file__).parent / "data" / "analysis_texts"
-    return [token for name in ("prose", "code", "math") for token in real_model[1]((folder / f"{name}.txt").read_text())["input_ids"]]
+    return bundled_text_ids(real_model[1])
 
 
 @pytest.fixture(scope="module")

@@ -325,7 +325,7 @@ def test_kept_state_fields_read_as_the_rule_says():
 from pathlib import Path  # noqa: E402
 
 import trikv  # noqa: E402
-from vllm_engines import engine_run, module_engine_runs, scenario  # noqa: E402
+from vllm_engines import bundled_text_ids, engine_run, module_engine_runs, scenario  # noqa: E402
 
 B, S, CHUNK, BLOCK_SIZE = 64, 32, 200, 32
 TRIGGER = B + S
@@ -420,9 +420,7 @@ def engines_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def text_ids(real_model):
-    """Real text to build prompts from: the bundled prose, code and math texts, tokenized."""
-    folder = Path(trikv.__file__).parent / "data" / "analysis_texts"
-    return [token for name in ("prose", "code", "math") for token in real_model[1]((folder / f"{name}.txt").read_text())["input_ids"]]
+    return bundled_text_ids(real_model[1])
 
 
 @pytest.fixture(scope="module")

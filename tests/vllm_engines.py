@@ -59,6 +59,12 @@ def engine_run(runs: dict[str, dict], name: str) -> dict:
 SCENARIOS = {}  # name -> build(request, prompts) -> spec
 
 
+def bundled_text_ids(tokenizer) -> list[int]:
+    """Real text to build prompts from: the bundled prose, code and math texts, tokenized."""
+    folder = Path(trikv.__file__).parent / "data" / "analysis_texts"
+    return [token for name in ("prose", "code", "math") for token in tokenizer((folder / f"{name}.txt").read_text())["input_ids"]]
+
+
 def module_engine_runs(request, engines_dir: Path, prompts) -> dict[str, dict]:
     """Every scenario the selected tests of the requesting module name (`@pytest.mark.engines`), run once."""
     wanted = list(dict.fromkeys(name for item in request.session.items if item.module is request.module
