@@ -39,7 +39,7 @@ def trace_run(tmp_path, tokenizer, monkeypatch):
     _write_traces(tmp_path, texts)
     model = tiny_model(vocab_size=len(tokenizer))
     stats = tiny_stats(model)
-    config = config_from_preset("quick", tasks=["fidelity"], model="tiny", traces="evaluation", trace_tokens=120,
+    config = config_from_preset("quick", tasks=["fidelity"], model="tiny", traces="evaluation", trace_tokens=80,
                                 methods=["full", "triattention"], budgets=[48], divide_length=16)
     lines: list[str] = []
 

@@ -105,7 +105,7 @@ def window_attention_reference(keys, positions, queries, query_positions, t, w, 
 
 
 def mean_similarity_reference(keys, positions, threshold) -> torch.Tensor:
-    """[L, Hkv, N] R-KV's redundancy before its softmax, one key pair at a time in float64: each live key's
+    """[L, Hkv, N] R-KV's redundancy before its softmax, one key row at a time in float64: each live key's
     cosine similarity to every other live key; in the row of key i, the most recent key above `threshold`
     counts 0; the column mean over the live rows."""
     L, Hkv, N, _ = keys.shape
@@ -114,8 +114,10 @@ def mean_similarity_reference(keys, positions, threshold) -> torch.Tensor:
         for g in range(Hkv):
             live = [n for n in range(N) if positions[layer, g, n] >= 0]
             k = keys[layer, g].double()
+            unit = k / k.norm(dim=-1, keepdim=True)  # [N, D]
+            cosine = (unit @ unit.T).tolist()  # [N, N]: the pairs the rows below read
             for i in live:
-                row = {j: float(k[i] @ k[j] / (k[i].norm() * k[j].norm())) for j in live if j != i}
+                row = {j: cosine[i][j] for j in live if j != i}
                 near = [j for j, similarity in row.items() if similarity > threshold]
                 if near:
                     row[max(near, key=lambda j: int(positions[layer, g, j]))] = 0.0

@@ -38,7 +38,7 @@ def test_no_eviction_identical_to_transformers(model_and_stats, sampling):
     outputs = []
     for cache in (DynamicCache(config=model.config), trikv.TriAttentionCache(model, stats, budget=4096)):
         torch.manual_seed(11)
-        outputs.append(model.generate(**inputs, **cache_kwargs(model, cache), **options, max_new_tokens=80, min_new_tokens=80, return_dict_in_generate=True, output_logits=True))
+        outputs.append(model.generate(**inputs, **cache_kwargs(model, cache), **options, max_new_tokens=48, min_new_tokens=48, return_dict_in_generate=True, output_logits=True))
     reference, ours = outputs
     assert torch.equal(reference.sequences, ours.sequences)
     torch.testing.assert_close(torch.stack(ours.logits), torch.stack(reference.logits), rtol=0, atol=1e-4)

@@ -184,8 +184,8 @@ def _chunks(path: Path, tokens_of, chunk_tokens: int) -> list[tuple[Chunk, list]
     facts = _facts(ast.parse(source))
     lines = source.splitlines(keepends=True)
     out, start, size = [], 0, 0
-    for index, line in enumerate(lines):
-        size += tokens_of(line)
+    for index, line_tokens in enumerate(tokens_of(lines)):
+        size += line_tokens
         if size >= chunk_tokens or index == len(lines) - 1:
             first, last = start + 1, index + 1
             inside = [fact for fact in facts if first <= fact[3] <= last]
@@ -203,8 +203,8 @@ def make_session(seed: int, tokenizer, steps: int = 10, chunk_tokens: int = 400,
     files = [name for name in SOURCE_FILES if (source_dir / name).is_file()]
     rng.shuffle(files)
 
-    def tokens_of(text: str) -> int:
-        return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+    def tokens_of(lines: list[str]) -> list[int]:  # each line's own token count, in one batched call
+        return [len(ids) for ids in tokenizer(lines, add_special_tokens=False)["input_ids"]] if lines else []
 
     def once(step_facts: list) -> list:  # a subject defined twice in a chunk (two classes' methods) has two answers
         subjects = [fact[1] for fact in step_facts]
