@@ -86,6 +86,19 @@ def test_a_run_without_fingerprint_is_unrecorded_at_best(shipped):
     assert "--fresh" in provenance.rerun_line("x", _fidelity_record(rewritten), changed)
 
 
+def test_the_fed_trace_table_gives_the_shipped_verdict_only_for_the_trace_the_run_fed(shipped):
+    """The run fed math500-401 and math500-408 as they were; 401 was written again since (other figures) and 408 still
+    ships as fed: the table's "current rule" column judges 408 by the shipped file and says 401 was written again."""
+    from trikv.benchmarks.quality.pages.tables import _validity_sections
+
+    fed = [shipped[0], {**shipped[1], "validity": {**shipped[1]["validity"], "compression": 0.3}}, shipped[2]]
+    ((title, table),) = _validity_sections(_fidelity_record(fed), markdown=True)
+    rows = {line.split(" | ")[0].strip("| "): line.split(" | ") for line in table.splitlines() if line.startswith("| math500")}
+    assert rows["math500-400"][-2] == "yes" and rows["math500-408"][-2] == "**no**"
+    assert rows["math500-401"][-2] == "– (written again since)"
+    assert "where it still ships the trace the run fed" in title
+
+
 # ---- registered cells -----------------------------------------------------------------------------------------
 def test_every_registered_cell_is_listed_as_run_or_not_run_with_its_cost():
     from trikv.benchmarks.quality.pages.preregistration import registered_cell_lines

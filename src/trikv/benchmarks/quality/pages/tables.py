@@ -204,7 +204,12 @@ def _validity_sections(record: dict, markdown: bool) -> list[tuple[str, str]]:
         shipped = {trace.name: trace.validity for trace in load_traces(record["config"]["model"], record["config"]["traces"])}
     except (FileNotFoundError, ValueError, KeyError):
         shipped = {}
-    current = lambda name: ("yes" if shipped[name]["valid"] else "**no**") if judged_by_this_rule(shipped.get(name)) else "–"  # noqa: E731
+    def current(name: str, fed: dict) -> str:
+        now = shipped.get(name)
+        # the same trace when the shipped one has the fed one's length and compression; else it was written again
+        if now and (now.get("tokens"), now.get("compression")) != (fed.get("tokens"), fed.get("compression")):
+            return "– (written again since)"
+        return ("yes" if now["valid"] else "**no**") if judged_by_this_rule(now) else "–"
     earlier = sorted({figures.get("rule") for figures in validity.values() if figures and not judged_by_this_rule(figures)},
                      key=str)
     rows = []
@@ -215,10 +220,10 @@ def _validity_sections(record: dict, markdown: bool) -> list[tuple[str, str]]:
         rows.append([name, figures["tokens"], figures["attempts"], figures["rejected"], format_value(figures["compression"]),
                      format_value(masked) if masked is not None else "–",
                      f"{100 * figures['repeat_share']:.1f}%" + (" (tokens)" if figures.get("rule") is None else ""),
-                     "yes" if figures["valid"] else "**no**", current(name), "yes" if name in meta["texts"] else "no"])
+                     "yes" if figures["valid"] else "**no**", current(name, figures), "yes" if name in meta["texts"] else "no"])
     title = ("Reasoning traces the run fed: validity as the run recorded it"
              + "".join(f" (under an earlier rule: {EARLIER_RULES.get(rule, rule)})" for rule in earlier)
-             + ", and under the current rule (the shipped file's verdict)")
+             + ", and under the current rule (the shipped file's verdict, where it still ships the trace the run fed)")
     return [(title, render(["trace", "tokens", "answers glued", "rejected as loops", "zlib ratio", "masked zlib ratio",
                             "longest repeat", "valid (as recorded)", "valid (current rule)", "fed"], rows, markdown))]
 
