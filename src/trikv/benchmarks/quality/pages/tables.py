@@ -193,6 +193,7 @@ def _composition_sections(record: dict, markdown: bool) -> list[tuple[str, str]]
 def _validity_sections(record: dict, markdown: bool) -> list[tuple[str, str]]:
     """The validity figures of the traces the run fed, as the run recorded them, and each trace's verdict under the
     current rule where the shipped file holds it (a run judged under an earlier rule says which)."""
+    from ..provenance import same_trace_figures
     from ..traces import load_traces
     from ..validity import EARLIER_RULES, judged_by_this_rule
 
@@ -206,8 +207,7 @@ def _validity_sections(record: dict, markdown: bool) -> list[tuple[str, str]]:
         shipped = {}
     def current(name: str, fed: dict) -> str:
         now = shipped.get(name)
-        # the same trace when the shipped one has the fed one's length and compression; else it was written again
-        if now and (now.get("tokens"), now.get("compression")) != (fed.get("tokens"), fed.get("compression")):
+        if now and not same_trace_figures(fed, now):
             return "– (written again since)"
         return ("yes" if now["valid"] else "**no**") if judged_by_this_rule(now) else "–"
     earlier = sorted({figures.get("rule") for figures in validity.values() if figures and not judged_by_this_rule(figures)},
